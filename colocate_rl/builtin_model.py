@@ -1,0 +1,208 @@
+"""Offline built-in models: a random-init Qwen2 causal LM plus a locally trained byte-level BPE tokenizer,
+saved as an ordinary Hugging Face model directory (transformers, TRL and vLLM load it; nothing is downloaded).
+
+The tokenizer is trained with exactly the normalizer / pre-tokenizer / decoder that transformers' `Qwen2Tokenizer`
+hard-codes. That matters: for a `model_type: qwen2` directory, `AutoTokenizer` (used by vLLM and TRL) always returns
+`Qwen2Tokenizer`, ignoring `tokenizer_class`, and rebuilds the pipeline from vocab/merges; with the same pipeline
+that rebuild is a no-op, so `AutoTokenizer` and `PreTrainedTokenizerFast` give identical ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+from colocate_rl.errors import UserError
+
+MARKER = "colocate_rl_build.json"
+_FORMAT = 1  # bump when the files written change, so old builds are rebuilt
+DTYPES = ("float32", "bfloat16", "float16")
+PAD, BOS_START, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, BOS_START, EOS]  # trained first, so ids 0, 1, 2
+TOKENIZER_VOCAB = 512
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Shared Qwen2.5 values (from the released config.json files).
+_QWEN = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000.0, initializer_range=0.02,
+             attention_dropout=0.0, use_sliding_window=False, use_cache=True)
+
+LAYOUTS: dict[str, dict] = {
+    "tiny": dict(_QWEN, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=TOKENIZER_VOCAB, max_position_embeddings=2048,
+                 tie_word_embeddings=True, max_window_layers=2),
+    "qwen2.5-0.5b": dict(_QWEN, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+                         tie_word_embeddings=True, max_window_layers=21),
+    "qwen2.5-1.5b": dict(_QWEN, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768,
+                         tie_word_embeddings=True, max_window_layers=21),
+    "qwen2.5-7b": dict(_QWEN, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768,
+                       tie_word_embeddings=False, max_window_layers=28),
+}
+
+
+def _layout(layout: str) -> dict:
+    if layout not in LAYOUTS:
+        raise UserError(f"model.name: unknown built-in layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
+    return LAYOUTS[layout]
+
+
+def param_count(layout: str) -> int:
+    """Exact parameter count from the config arithmetic (Qwen2: q/k/v biases, no o_proj bias, SwiGLU MLP,
+    RMSNorm weights). Raises UserError for an unknown layout."""
+    c = _layout(layout)
+    h, nh, kv, ff, v = (c[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                       "intermediate_size", "vocab_size"))
+    hd = c.get("head_dim", h // nh)
+    attn = (h * nh * hd + nh * hd) + 2 * (h * kv * hd + kv * hd) + nh * hd * h
+    layer = attn + 3 * h * ff + 2 * h
+    return v * h * (1 if c["tie_word_embeddings"] else 2) + c["num_hidden_layers"] * layer + h
+
+
+def _corpus(n: int = 3000) -> list[str]:
+    """Deterministic English-ish text: sentences, numbers, arithmetic, chat-formatted turns."""
+    rng = random.Random(1234)
+    words = ("the a an of to and in is it you that he she was for on are as with his her they at be this have from "
+             "or one had by word but not what all were we when your can said there use each which do how their if "
+             "will up other about out many then them these so some would make like him into time has look two more "
+             "write go see number no way could people my than first water been call who now find long down day did "
+             "get come made may part answer question think step solve total sum add plus minus times equals apple "
+             "books each left right true false yes because therefore").split()
+    roles = ("system", "user", "assistant")
+    out = []
+    for _ in range(n):
+        k = rng.randrange(5)
+        a, b = rng.randrange(1000), rng.randrange(1, 100)
+        if k == 0:
+            op = rng.choice("+-*")
+            out.append(f"What is {a} {op} {b}? The answer is {eval(f'{a}{op}{b}')}.")
+        elif k == 1:
+            out.append(f"{rng.choice(words).capitalize()} has {a} {rng.choice(words)}s and gives away {b}: "
+                       f"{a} - {b} = {a - b}.\n#### {a - b}")
+        elif k == 2:
+            out.append(f"{rng.choice(roles)}\n" + " ".join(rng.choice(words) for _ in range(rng.randrange(2, 9))))
+        else:
+            s = " ".join(rng.choice(words) for _ in range(rng.randrange(3, 14)))
+            out.append(s.capitalize() + rng.choice([".", "?", "!", ",", ".\n", ".\n\n", ";"]))
+    return out
+
+
+def _train_tokenizer(out_dir: Path, model_max_length: int) -> None:
+    """Train the 512-token byte-level BPE and save tokenizer.json + tokenizer_config.json (with chat_template)."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=None,
+                                   additional_special_tokens=[BOS_START], model_max_length=model_max_length)
+    fast.save_pretrained(str(out_dir))
+    # Keep the template inside tokenizer_config.json (read by every transformers/vLLM version), not a .jinja file.
+    (out_dir / "chat_template.jinja").unlink(missing_ok=True)
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    # What Qwen2.5 ships; transformers 5 picks Qwen2Tokenizer for qwen2 dirs anyway, 4.x then loads tokenizer.json as-is.
+    cfg["tokenizer_class"] = "Qwen2Tokenizer"
+    cfg["additional_special_tokens"] = cfg.pop("extra_special_tokens", [BOS_START])  # list form both 4.x and 5 read
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _write(out_dir: Path, layout: str, seed: int, dtype: str) -> None:
+    """Write tokenizer, config, generation config and safetensors weights into out_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+
+    c = LAYOUTS[layout]
+    _train_tokenizer(out_dir, c["max_position_embeddings"])
+    ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}  # BpeTrainer puts special tokens first
+    config = Qwen2Config(**c, bos_token_id=None, eos_token_id=ids[EOS], pad_token_id=ids[PAD])
+    config.architectures = ["Qwen2ForCausalLM"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(seed)
+    with torch.device(device):  # allocated directly in the target dtype: 7B bf16 needs ~15 GB, not 30
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=ids[EOS], pad_token_id=ids[PAD])
+    model.save_pretrained(str(out_dir), max_shard_size="2GB")  # small shards bound the extra RAM while saving
+    del model
+
+
+def _is_built(out: Path, want: dict) -> bool:
+    try:
+        got = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return ({k: got.get(k) for k in want} == want and (out / "config.json").is_file()
+            and (out / "tokenizer.json").is_file() and any(out.glob("*.safetensors")))
+
+
+def build_model(layout: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "float32") -> Path:
+    """Build `layout` into out_dir (config.json, *.safetensors, generation_config.json, tokenizer files) and
+    return out_dir. Deterministic per (seed, device kind: CPU and CUDA RNGs differ); returns at once if out_dir
+    already holds the same build. Builds in a temp dir next to out_dir and renames it into place, so a crash leaves
+    no half-written model (at worst a `.NAME.tmp-*` dir). Raises UserError for an unknown layout or dtype, or when
+    out_dir is a non-empty directory this module did not write (it is never deleted); OSError on disk problems."""
+    _layout(layout)
+    if dtype not in DTYPES:
+        raise UserError(f"model.dtype: unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    out = Path(out_dir)
+    want = {"format": _FORMAT, "layout": layout, "seed": seed, "dtype": dtype}
+    if _is_built(out, want):
+        return out
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
+        raise UserError(f"model: {out} exists and is not a built-in model directory (no {MARKER}); "
+                        "remove it or choose another output directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    old = None
+    try:
+        _write(tmp, layout, seed, dtype)
+        (tmp / MARKER).write_text(json.dumps(dict(want, params=param_count(layout)), indent=2) + "\n")  # last
+        try:
+            os.rename(tmp, out)  # replaces a missing or empty out_dir
+        except OSError:
+            if _is_built(out, want):  # a concurrent builder (another rank) won the race
+                return out
+            old = out.parent / f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
+            os.rename(out, old)  # an older build of ours (other layout/seed/dtype): swap it out
+            os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer for a built-in model dir, loaded as vLLM and TRL load it (AutoTokenizer); pad/eos set.
+    Raises OSError if path holds no tokenizer files."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token is None:
+        tok.pad_token = PAD
+    if tok.eos_token is None:
+        tok.eos_token = EOS
+    return tok

@@ -1,0 +1,100 @@
+"""What the launching machine has: GPUs, vLLM, CPU cores. Cheap to call: no torch import."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_gib: float
+
+
+@dataclass(frozen=True)
+class Host:
+    """The facts planning depends on. `assumed` marks a host described by `--gpus N`, not detected."""
+
+    gpus: tuple[Gpu, ...] = ()
+    has_vllm: bool = False
+    cpu_count: int = 1
+    assumed: bool = False
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+
+def _gpus_from_nvml() -> tuple[Gpu, ...] | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            name = name.decode() if isinstance(name, bytes) else name
+            gpus.append(Gpu(name, pynvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30))
+        return tuple(gpus)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _gpus_from_smi() -> tuple[Gpu, ...]:
+    if shutil.which("nvidia-smi") is None:
+        return ()
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    gpus = []
+    for line in out.strip().splitlines():
+        name, _, mib = line.rpartition(",")
+        gpus.append(Gpu(name.strip(), float(mib) / 1024))
+    return tuple(gpus)
+
+
+def _visible(gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
+    """Respect CUDA_VISIBLE_DEVICES (indices only)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return gpus
+    picked = []
+    for token in visible.split(","):
+        token = token.strip()
+        if token.isdigit() and int(token) < len(gpus):
+            picked.append(gpus[int(token)])
+        elif token and not token.isdigit() and not token.startswith("-"):
+            return gpus  # UUIDs: trust the driver's count
+    return tuple(picked)
+
+
+def detect_host() -> Host:
+    """Detect GPUs (NVML, else nvidia-smi), whether vLLM is importable, and CPU cores."""
+    gpus = _gpus_from_nvml()
+    if gpus is None:
+        gpus = _gpus_from_smi()
+    return Host(
+        gpus=_visible(gpus),
+        has_vllm=importlib.util.find_spec("vllm") is not None,
+        cpu_count=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+    )
+
+
+def assumed_host(gpus: int, memory_gib: float = 80.0, cpu_count: int = 32) -> Host:
+    """A host described on the command line (`--gpus N`): N GPUs with vLLM, e.g. a login node planning a job."""
+    return Host(gpus=tuple(Gpu("assumed GPU", memory_gib) for _ in range(gpus)), has_vllm=gpus > 0,
+                cpu_count=cpu_count, assumed=True)

@@ -1,0 +1,159 @@
+"""The launch plan: a pure function from a resolved recipe to argv, environment and run-dir files.
+
+No I/O happens here, so the plan is tested by comparing exact values. `colocate_rl.launch` executes it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from colocate_rl.recipe import dump_recipe
+from colocate_rl.resolve import Resolved
+
+WORKER_MODULE = "colocate_rl.worker"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What `train` does: write `files` into `run_dir`, (build `builtin_model`), then run `argv` with `env`."""
+
+    run_dir: Path
+    argv: list[str]
+    env: dict[str, str]  # added to the parent environment
+    files: dict[str, str] = field(default_factory=dict)  # run-dir relative name → content
+    builtin_model: dict[str, Any] | None = None  # build_model() kwargs when the model is built-in
+
+    def command_line(self) -> str:
+        """The launch as one shell line (env assignments, then argv)."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return f"{env} {shlex.join(self.argv)}".strip()
+
+
+def model_path(resolved: Resolved, run_dir: Path) -> str:
+    """Where ranks load the model from: the run dir's built model, or the recipe's name/path."""
+    return str(run_dir / "model") if resolved.builtin_layout else resolved.recipe.model.name
+
+
+def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
+    """Keyword arguments of TRL's GRPOConfig/RLOOConfig for this run (extra_args included)."""
+    recipe, trainer, gen = resolved.recipe, resolved.recipe.trainer, resolved.recipe.generation
+    args: dict[str, Any] = {
+        "output_dir": str(run_dir / "checkpoints"),
+        "learning_rate": trainer.learning_rate,
+        "per_device_train_batch_size": trainer.per_device_train_batch_size,
+        "gradient_accumulation_steps": trainer.gradient_accumulation_steps,
+        "num_generations": trainer.num_generations,
+        "max_completion_length": trainer.max_completion_length,
+        "max_steps": trainer.max_steps,
+        "beta": trainer.beta,
+        "temperature": trainer.temperature,
+        "seed": trainer.seed,
+        "data_seed": trainer.seed,
+        "gradient_checkpointing": trainer.gradient_checkpointing,
+        "logging_steps": trainer.logging_steps,
+        "save_strategy": "steps" if trainer.save_steps else "no",
+        "report_to": list(recipe.output.report_to) or "none",
+        "disable_tqdm": True,
+        "bf16": resolved.precision == "bf16",
+        "fp16": resolved.precision == "fp16",
+        "use_cpu": resolved.device == "cpu",
+        "model_init_kwargs": {"dtype": resolved.model_dtype},
+        "reward_weights": [r.weight for r in recipe.rewards],
+        "use_vllm": resolved.backend == "vllm",
+    }
+    if trainer.save_steps:
+        args["save_steps"] = trainer.save_steps
+    if resolved.deepspeed is not None:
+        args["deepspeed"] = str(run_dir / "deepspeed.json")
+    if resolved.backend == "vllm":
+        args.update(
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
+            vllm_tensor_parallel_size=gen.tensor_parallel_size,
+            vllm_enable_sleep_mode=gen.sleep_mode,
+        )
+        if gen.max_model_length is not None:
+            args["vllm_max_model_length"] = gen.max_model_length
+    args.update(trainer.extra_args)
+    return args
+
+
+def rank_env(resolved: Resolved, base_env: Mapping[str, str], cache_dir: Path) -> dict[str, str]:
+    """Per-rank environment additions; a variable the user already set is left alone."""
+    threads = max(1, resolved.host.cpu_count // resolved.nproc_per_node)
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "TORCH_EXTENSIONS_DIR": str(cache_dir / "torch_extensions"),
+    }
+    if resolved.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    if resolved.builtin_layout:
+        env["HF_HUB_OFFLINE"] = "1"
+    return {k: v for k, v in env.items() if k not in base_env}
+
+
+def torchrun_argv(resolved: Resolved, run_dir: Path, python: str) -> list[str]:
+    """`python -m torch.distributed.run` (torchrun) with the node/rendezvous flags, then the worker."""
+    dist = resolved.recipe.distributed
+    argv = [python, "-m", "torch.distributed.run", "--nnodes", str(dist.nnodes),
+            "--nproc-per-node", str(resolved.nproc_per_node)]
+    if dist.nnodes == 1 and dist.rdzv_endpoint is None:
+        argv.append("--standalone")
+    elif dist.rdzv_backend == "static":
+        host, _, port = dist.rdzv_endpoint.rpartition(":")
+        argv += ["--node-rank", str(dist.node_rank), "--master-addr", host, "--master-port", port]
+    else:
+        argv += ["--node-rank", str(dist.node_rank), "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", dist.rdzv_endpoint, "--rdzv-id", dist.rdzv_id]
+    return argv + ["-m", WORKER_MODULE, str(run_dir)]
+
+
+def launch_script(argv: list[str], env: dict[str, str], cwd: Path) -> str:
+    """`launch.sh`: the same launch, runnable by hand."""
+    lines = ["#!/usr/bin/env bash", "# Written by `colocate-rl train`: re-runs this launch by hand.",
+             "set -euo pipefail", f"cd {shlex.quote(str(cwd))}"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    lines.append("exec " + shlex.join(argv))
+    return "\n".join(lines) + "\n"
+
+
+def make_plan(
+    resolved: Resolved,
+    *,
+    run_dir: Path,
+    python: str,
+    cwd: Path,
+    cache_dir: Path,
+    base_env: Mapping[str, str],
+) -> LaunchPlan:
+    """Everything `train` will do, decided without touching the filesystem or the environment."""
+    recipe = resolved.recipe.model_copy(deep=True)
+    recipe.output.run_dir = str(run_dir)
+    env = rank_env(resolved, base_env, cache_dir)
+    argv = torchrun_argv(resolved, run_dir, python)
+    launch = {
+        "model_path": model_path(resolved, run_dir),
+        "algorithm": recipe.algorithm,
+        "backend": resolved.backend,
+        "device": resolved.device,
+        "world_size": resolved.world_size,
+        "trl_args": trl_args(resolved, run_dir),
+    }
+    files = {
+        "recipe.yaml": dump_recipe(recipe),
+        "launch.json": json.dumps(launch, indent=2) + "\n",
+        "launch.sh": launch_script(argv, env, cwd),
+    }
+    if resolved.deepspeed is not None:
+        files["deepspeed.json"] = json.dumps(resolved.deepspeed, indent=2) + "\n"
+    builtin = None
+    if resolved.builtin_layout:
+        builtin = {"layout": resolved.builtin_layout, "out_dir": str(run_dir / "model"),
+                   "seed": recipe.trainer.seed, "dtype": resolved.model_dtype}
+    return LaunchPlan(run_dir=run_dir, argv=argv, env=env, files=files, builtin_model=builtin)

@@ -1,0 +1,302 @@
+"""The recipe: one typed schema, YAML loading, `--set` overrides and error messages.
+
+Precedence is defaults < recipe file < `--set a.b=c`. Every problem is reported at once as one line
+`dotted.key: problem (got value); fix`. Loading raises `UserError`; it never touches the filesystem
+beyond reading the recipe.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+)
+
+from colocate_rl.errors import UserError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Section):
+    """What to train."""
+
+    name: str = Field(
+        "builtin:tiny",
+        description="`builtin:<layout>` (offline random-init model: tiny, qwen2.5-0.5b, qwen2.5-1.5b, "
+        "qwen2.5-7b), a local model directory, or a hub id such as Qwen/Qwen2.5-1.5B-Instruct.",
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Weights dtype; auto = bfloat16 on GPU, float32 on CPU."
+    )
+
+
+class DataSection(_Section):
+    """Where the prompts come from."""
+
+    source: str = Field(
+        "builtin:digits",
+        description="`builtin:<task>` (digits, arithmetic), a local .jsonl/.json/.parquet file, or a hub dataset id.",
+    )
+    split: str = Field("train", description="Dataset split (hub datasets).")
+    subset: str | None = Field(None, description="Dataset configuration name (hub datasets), e.g. `main` for gsm8k.")
+    prompt_field: str = Field("prompt", description="Column holding the prompt text.")
+    chat: bool = Field(True, description="Wrap each prompt as a chat user message (the chat template is applied).")
+    system_prompt: str | None = Field(None, description="System message prepended to chat prompts.")
+    num_samples: PositiveInt | None = Field(None, description="Use only the first N prompts (all when null).")
+
+
+class RewardSpec(_Section):
+    """One reward function."""
+
+    name: str = Field(
+        description="Built-in name (digit_share, answer_match, format_think, length_penalty), "
+        "`package.module:function` or `path/to/file.py:function`."
+    )
+    weight: float = Field(1.0, description="Weight of this reward in the sum.")
+
+
+class TrainerSection(_Section):
+    """The TRL trainer's most used knobs; `extra_args` passes any other GRPOConfig/RLOOConfig field."""
+
+    learning_rate: PositiveFloat = Field(1e-6, description="Optimizer learning rate.")
+    per_device_train_batch_size: PositiveInt = Field(8, description="Completions per rank per micro-batch.")
+    gradient_accumulation_steps: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group size).")
+    max_completion_length: PositiveInt = Field(256, description="Maximum generated tokens per completion.")
+    max_steps: PositiveInt = Field(100, description="Optimizer steps to run.")
+    beta: NonNegativeFloat = Field(0.0, description="KL coefficient against the reference model (0 = no reference).")
+    temperature: PositiveFloat = Field(1.0, description="Sampling temperature.")
+    seed: int = Field(42, description="Random seed (model init for built-in models, data order, sampling).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    logging_steps: PositiveInt = Field(1, description="Log metrics every N steps.")
+    save_steps: NonNegativeInt = Field(0, description="Save a checkpoint every N steps (0 = only the final model).")
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other field of TRL's GRPOConfig/RLOOConfig, passed through (names checked).",
+    )
+
+
+class GenerationSection(_Section):
+    """How completions are generated."""
+
+    backend: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="auto = colocated vLLM when a GPU and vLLM are present, else transformers."
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="Share of each GPU's memory vLLM may take (weights + KV cache)."
+    )
+    tensor_parallel_size: PositiveInt = Field(
+        1, description="vLLM tensor-parallel group size (contiguous ranks of one node; divides nproc_per_node)."
+    )
+    sleep_mode: bool = Field(True, description="Put vLLM to sleep during the optimizer step to free its memory.")
+    max_model_length: PositiveInt | None = Field(None, description="vLLM context length (prompt + completion).")
+
+
+class DistributedSection(_Section):
+    """Processes, nodes and DeepSpeed."""
+
+    nnodes: PositiveInt = Field(1, description="Number of nodes.")
+    nproc_per_node: PositiveInt | Literal["auto"] = Field(
+        "auto", description="Ranks per node; auto = the GPUs present, or 2 on a machine without GPU."
+    )
+    node_rank: NonNegativeInt = Field(0, description="This node's rank (multi-node).")
+    rdzv_backend: Literal["c10d", "static"] = Field(
+        "c10d", description="torchrun rendezvous: c10d (elastic) or static (MASTER_ADDR/node rank)."
+    )
+    rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (required when nnodes > 1).")
+    rdzv_id: str = Field("colocate-rl", description="Rendezvous id shared by all nodes of one job.")
+    deepspeed: str | None = Field(
+        None,
+        description="Shipped DeepSpeed config name (zero3, zero3_offload_optimizer, zero3_offload_all) "
+        "or a path to a JSON file; null = plain DDP.",
+    )
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="Override the DeepSpeed config's ZeRO stage.")
+    offload_optimizer: bool | None = Field(None, description="Override: optimizer states on CPU (ZeRO).")
+    offload_params: bool | None = Field(None, description="Override: parameters on CPU (ZeRO-3).")
+    deepspeed_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Deep-merged into the DeepSpeed JSON."
+    )
+    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field(
+        "auto", description="auto = bf16 on GPU, no on CPU; applied to the trainer and DeepSpeed alike."
+    )
+
+
+class OutputSection(_Section):
+    """Where results go."""
+
+    run_dir: str | None = Field(None, description="Run directory; default runs/<name>-<date>-<time>.")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio", "comet_ml"]] = Field(
+        default_factory=list, description="Extra metric backends (metrics.jsonl is always written)."
+    )
+    save_model: bool = Field(True, description="Save the final model to <run_dir>/final.")
+
+
+class Recipe(_Section):
+    """A whole recipe."""
+
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Run name (used in run_dir).")
+    algorithm: Literal["grpo", "rloo"] = Field("grpo", description="TRL trainer: GRPOTrainer or RLOOTrainer.")
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    rewards: list[RewardSpec] = Field(min_length=1, description="Reward functions (at least one).")
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    generation: GenerationSection = Field(default_factory=GenerationSection)
+    distributed: DistributedSection = Field(default_factory=DistributedSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Parse a recipe file into a mapping. Fails (UserError) on a missing file, YAML syntax or a non-mapping."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise UserError(f"{path}: recipe file not found; check the path or run `colocate-rl recipes` to list shipped ones")
+    except OSError as e:
+        raise UserError(f"{path}: cannot read recipe ({e.strerror})")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise UserError(f"{where}: invalid YAML: {e.problem or e.context}; fix the syntax at that line")
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: invalid YAML: {e}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a recipe must be a YAML mapping of sections (model:, data:, rewards:, ...)")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a copy of `data`. Fails on bad syntax."""
+    import copy
+
+    result = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise UserError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set trainer.max_steps=20")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = result
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(f"--set {item!r}: '{'.'.join(parts[: depth + 1])}' is not a section")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic section model inside an annotation such as `X`, `list[X]` or `X | None`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _field_path(loc: tuple) -> tuple:
+    """`loc` without pydantic's union tags (e.g. `constrained-int`): only list indices and recipe keys."""
+    model: type[BaseModel] | None = Recipe
+    path: list = []
+    for part in loc:
+        if isinstance(part, int):
+            path.append(part)
+        elif model is not None and part in model.model_fields:
+            path.append(part)
+            model = _model_of(model.model_fields[part].annotation)
+        else:
+            break
+    return tuple(path)
+
+
+def _section_keys(path: tuple) -> list[str]:
+    model: type[BaseModel] | None = Recipe
+    for part in path:
+        if isinstance(part, str) and model is not None:
+            model = _model_of(model.model_fields[part].annotation)
+    return list(model.model_fields) if model is not None else []
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "recipe"
+
+
+def _format_errors(errors: list[dict]) -> list[str]:
+    grouped: dict[tuple, list[dict]] = {}
+    for err in errors:
+        loc = tuple(err["loc"])
+        if err["type"] == "extra_forbidden":
+            grouped.setdefault(loc, []).append(err)
+            continue
+        path = _field_path(loc)
+        grouped.setdefault(path, []).append(err)
+    lines = []
+    for path, errs in grouped.items():
+        first = errs[0]
+        dotted = _dotted(path)
+        if first["type"] == "extra_forbidden":
+            known = _section_keys(path[:-1])
+            close = difflib.get_close_matches(str(path[-1]), known, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(known)}"
+            lines.append(f"{dotted}: unknown key; {hint}")
+        elif first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+            lines.append(f"{dotted}: must be a section (a mapping of keys), got {first.get('input')!r}")
+        elif first["type"] == "missing":
+            lines.append(f"{dotted}: required key is missing; add it to the recipe")
+        else:
+            msgs = list(dict.fromkeys(e["msg"] for e in errs))
+            value = first.get("input")
+            shown = "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list) else repr(value)
+            text = " or ".join(m[0].lower() + m[1:] for m in msgs)
+            lines.append(f"{dotted}: {text} (got {shown})")
+    return lines
+
+
+def parse_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
+    """Validate a mapping against the schema; every problem becomes one line of the UserError."""
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise UserError(*_format_errors(e.errors(include_url=False)))
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe file (no cross-field checks: see `colocate_rl.resolve`)."""
+    data = apply_overrides(read_yaml(Path(path)), overrides or [])
+    return parse_recipe(data, str(path))
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """The fully resolved recipe (defaults included) as YAML, as written to the run directory."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, default_flow_style=False)

@@ -1,0 +1,219 @@
+"""Cross-field validation: the recipe against the host it will run on.
+
+`resolve` decides everything that depends on the machine (ranks per node, generation backend, device,
+precision, the DeepSpeed JSON) and checks what needs the planned world size. It reads the files the
+recipe names (DeepSpeed JSON, data file, reward modules) but writes nothing. All problems are raised
+together in one UserError.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from colocate_rl.errors import UserError
+from colocate_rl.host import Host
+from colocate_rl.recipe import Recipe
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+# TRL config fields that colocate-rl sets itself, and the recipe key that controls each.
+MANAGED_TRL_FIELDS = {
+    "output_dir": "output.run_dir",
+    "logging_dir": "output.run_dir",
+    "report_to": "output.report_to",
+    "deepspeed": "distributed.deepspeed",
+    "bf16": "distributed.mixed_precision",
+    "fp16": "distributed.mixed_precision",
+    "use_cpu": "distributed.nproc_per_node (the device follows the host)",
+    "use_vllm": "generation.backend",
+    "vllm_mode": "generation.backend",
+    "vllm_gpu_memory_utilization": "generation.vllm_gpu_memory_utilization",
+    "vllm_tensor_parallel_size": "generation.tensor_parallel_size",
+    "vllm_enable_sleep_mode": "generation.sleep_mode",
+    "vllm_max_model_length": "generation.max_model_length",
+    "reward_weights": "rewards[*].weight",
+    "model_init_kwargs": "model.dtype",
+    "save_strategy": "trainer.save_steps",
+}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A validated recipe bound to a host: every machine-dependent choice made."""
+
+    recipe: Recipe
+    host: Host
+    nproc_per_node: int
+    device: str  # "cuda" or "cpu"
+    backend: str  # "vllm" or "transformers"
+    precision: str  # "bf16", "fp16" or "no"
+    model_dtype: str  # "bfloat16", "float16" or "float32"
+    deepspeed: dict[str, Any] | None
+    builtin_layout: str | None  # set when model.name is builtin:<layout>
+
+    @property
+    def world_size(self) -> int:
+        return self.recipe.distributed.nnodes * self.nproc_per_node
+
+
+def trl_field_names(algorithm: str) -> set[str]:
+    """Field names of TRL's GRPOConfig / RLOOConfig for the pinned TRL (checked against TRL by a test)."""
+    data = json.loads(resources.files("colocate_rl").joinpath("trl_fields.json").read_text())
+    return set(data[algorithm])
+
+
+def _check_extra_args(recipe: Recipe) -> list[str]:
+    problems = []
+    known = trl_field_names(recipe.algorithm)
+    owned = set(type(recipe.trainer).model_fields) - {"extra_args"}
+    config_name = "GRPOConfig" if recipe.algorithm == "grpo" else "RLOOConfig"
+    for key in recipe.trainer.extra_args:
+        path = f"trainer.extra_args.{key}"
+        if key in owned:
+            problems.append(f"{path}: set it as trainer.{key} instead")
+        elif key in MANAGED_TRL_FIELDS:
+            problems.append(f"{path}: colocate-rl sets this itself; use {MANAGED_TRL_FIELDS[key]}")
+        elif key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"see TRL's {config_name} for valid names"
+            problems.append(f"{path}: not a field of TRL {config_name}; {hint}")
+    return problems
+
+
+def _check_model(recipe: Recipe) -> tuple[str | None, list[str]]:
+    name = recipe.model.name
+    if name.startswith("builtin:"):
+        from colocate_rl.builtin_model import LAYOUTS
+
+        layout = name.removeprefix("builtin:")
+        if layout not in LAYOUTS:
+            return None, [f"model.name: unknown built-in layout '{layout}'; choose one of: "
+                          + ", ".join(f"builtin:{k}" for k in LAYOUTS)]
+        return layout, []
+    path = Path(name).expanduser()
+    looks_local = name.startswith((".", "/", "~")) or path.exists()
+    if looks_local and not (path / "config.json").is_file():
+        return None, [f"model.name: '{name}' is not a model directory (no config.json); "
+                      "give a local model directory, a hub id, or builtin:tiny"]
+    return None, []
+
+
+def _check_data(recipe: Recipe) -> list[str]:
+    source = recipe.data.source
+    if source.startswith("builtin:"):
+        from colocate_rl.tasks import BUILTIN_TASKS
+
+        task = source.removeprefix("builtin:")
+        if task not in BUILTIN_TASKS:
+            return [f"data.source: unknown built-in task '{task}'; choose one of: "
+                    + ", ".join(f"builtin:{k}" for k in BUILTIN_TASKS)]
+        return []
+    if source.endswith(DATA_SUFFIXES) and not Path(source).expanduser().is_file():
+        return [f"data.source: file '{source}' not found; check the path (relative to the current directory)"]
+    return []
+
+
+def _check_rewards(recipe: Recipe) -> list[str]:
+    from colocate_rl.tasks import check_reward_spec
+
+    problems = []
+    for i, reward in enumerate(recipe.rewards):
+        try:
+            check_reward_spec(reward.name, key=f"rewards[{i}].name")
+        except UserError as e:
+            problems.extend(e.lines)
+    return problems
+
+
+def resolve(recipe: Recipe, host: Host) -> Resolved:
+    """Bind `recipe` to `host`; raise one UserError listing every cross-field problem."""
+    problems: list[str] = []
+    dist, gen, trainer = recipe.distributed, recipe.generation, recipe.trainer
+    has_gpu = host.gpu_count > 0
+
+    if dist.nproc_per_node == "auto":
+        nproc = host.gpu_count if has_gpu else 2
+    else:
+        nproc = dist.nproc_per_node
+        if has_gpu and nproc > host.gpu_count:
+            problems.append(f"distributed.nproc_per_node: {nproc} ranks but this machine has {host.gpu_count} GPU(s); "
+                            "use auto or at most the GPU count")
+
+    backend = gen.backend
+    if backend == "auto":
+        backend = "vllm" if has_gpu and host.has_vllm else "transformers"
+    elif backend == "vllm" and not host.has_vllm:
+        problems.append("generation.backend: 'vllm' but vLLM is not installed here; install the GPU extra "
+                        "(pip install 'colocate-rl[gpu]') or set generation.backend: transformers (or auto)")
+    elif backend == "vllm" and not has_gpu:
+        problems.append("generation.backend: 'vllm' needs a CUDA GPU and none was found; "
+                        "set generation.backend: auto to generate with transformers on CPU")
+
+    precision = dist.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if has_gpu else "no"
+    elif precision == "fp16" and not has_gpu:
+        problems.append("distributed.mixed_precision: fp16 needs a GPU; use auto or no on CPU")
+    model_dtype = recipe.model.dtype
+    if model_dtype == "auto":
+        model_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
+
+    if nproc % gen.tensor_parallel_size:
+        problems.append(f"generation.tensor_parallel_size: {gen.tensor_parallel_size} does not divide "
+                        f"distributed.nproc_per_node ({nproc}); tensor-parallel groups must stay inside one node")
+
+    world = dist.nnodes * nproc
+    extra = trainer.extra_args
+    if "generation_batch_size" in extra:
+        generation_batch = extra["generation_batch_size"]
+    else:
+        steps = extra.get("steps_per_generation", trainer.gradient_accumulation_steps)
+        generation_batch = trainer.per_device_train_batch_size * world * steps
+    if isinstance(generation_batch, int) and generation_batch % trainer.num_generations:
+        problems.append(
+            f"trainer.num_generations: the generation batch ({generation_batch} = per_device_train_batch_size "
+            f"{trainer.per_device_train_batch_size} × {world} ranks × steps per generation) is not divisible by "
+            f"num_generations ({trainer.num_generations}); change one of them"
+        )
+    if gen.max_model_length is not None and gen.max_model_length <= trainer.max_completion_length:
+        problems.append(f"generation.max_model_length: {gen.max_model_length} leaves no room for the prompt; "
+                        f"make it larger than trainer.max_completion_length ({trainer.max_completion_length})")
+
+    if dist.nnodes > 1 and not dist.rdzv_endpoint:
+        problems.append("distributed.rdzv_endpoint: required when nnodes > 1; set it to host:port of node 0")
+    if dist.rdzv_endpoint and ":" not in dist.rdzv_endpoint:
+        problems.append(f"distributed.rdzv_endpoint: '{dist.rdzv_endpoint}' must be host:port")
+    if dist.node_rank >= dist.nnodes:
+        problems.append(f"distributed.node_rank: {dist.node_rank} must be below nnodes ({dist.nnodes})")
+
+    deepspeed = None
+    if dist.deepspeed is None:
+        for key in ("zero_stage", "offload_optimizer", "offload_params"):
+            if getattr(dist, key) is not None:
+                problems.append(f"distributed.{key}: needs a DeepSpeed config; set distributed.deepspeed: zero3")
+        if dist.deepspeed_overrides:
+            problems.append("distributed.deepspeed_overrides: needs a DeepSpeed config; set distributed.deepspeed")
+    else:
+        from colocate_rl.ds_config import build_deepspeed_config
+
+        try:
+            deepspeed = build_deepspeed_config(
+                dist.deepspeed, precision=precision, zero_stage=dist.zero_stage,
+                offload_optimizer=dist.offload_optimizer, offload_params=dist.offload_params,
+                overrides=dist.deepspeed_overrides,
+            )
+        except UserError as e:
+            problems.extend(e.lines)
+
+    layout, model_problems = _check_model(recipe)
+    problems += model_problems + _check_data(recipe) + _check_rewards(recipe) + _check_extra_args(recipe)
+    if problems:
+        raise UserError(*problems)
+    return Resolved(recipe=recipe, host=host, nproc_per_node=nproc, device="cuda" if has_gpu else "cpu",
+                    backend=backend, precision=precision, model_dtype=model_dtype, deepspeed=deepspeed,
+                    builtin_layout=layout)

@@ -1,0 +1,116 @@
+"""The per-rank program: `python -m colocate_rl.worker RUN_DIR`, started by torchrun on every rank.
+
+Reads everything from the run directory (`recipe.yaml`, `launch.json`, `deepspeed.json`), builds the
+tokenizer, dataset, rewards and TRL config, trains with GRPOTrainer or RLOOTrainer, saves the final
+model and tears the process group down. Rank 0 appends one JSON object per logged step to
+`metrics.jsonl` and writes `DONE` once the final model is saved.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from colocate_rl.errors import UserError
+
+METRICS_FILE = "metrics.jsonl"
+DONE_FILE = "DONE"
+
+
+def make_metrics_callback(path: Path):
+    """A TrainerCallback that appends TRL's logged values (plus step and wall seconds) to `path` on rank 0."""
+    from transformers import TrainerCallback
+
+    class MetricsCallback(TrainerCallback):
+        def __init__(self):
+            self.start = time.time()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.time()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or not logs:
+                return
+            record: dict[str, Any] = {"step": state.global_step, "max_steps": state.max_steps,
+                                      "wall_s": round(time.time() - self.start, 3)}
+            record.update({k: v for k, v in logs.items() if isinstance(v, (int, float, str))})
+            with path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    return MetricsCallback()
+
+
+def load_tokenizer(model_path: str, builtin: bool):
+    """The trainer's tokenizer; a built-in model's tokenizer is loaded the way it was saved."""
+    if builtin:
+        from colocate_rl.builtin_model import load_tokenizer as load_builtin
+
+        return load_builtin(model_path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path, padding_side="left")
+
+
+def build_trainer(run_dir: Path):
+    """Construct the TRL trainer for this rank from the run directory's files."""
+    from colocate_rl.recipe import load_recipe
+    from colocate_rl.tasks import load_prompts, resolve_reward
+
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    launch = json.loads((run_dir / "launch.json").read_text())
+    data = recipe.data
+    dataset = load_prompts(data.source, split=data.split, subset=data.subset, prompt_field=data.prompt_field,
+                           chat=data.chat, system_prompt=data.system_prompt, num_samples=data.num_samples,
+                           seed=recipe.trainer.seed)
+    rewards = [resolve_reward(r.name, key=f"rewards[{i}].name") for i, r in enumerate(recipe.rewards)]
+    tokenizer = load_tokenizer(launch["model_path"], recipe.model.name.startswith("builtin:"))
+    callback = make_metrics_callback(run_dir / METRICS_FILE)
+
+    if recipe.algorithm == "grpo":
+        from trl import GRPOConfig as Config, GRPOTrainer as Trainer
+    else:
+        from trl import RLOOConfig as Config, RLOOTrainer as Trainer
+    config = Config(**launch["trl_args"])
+    trainer = Trainer(model=launch["model_path"], reward_funcs=rewards, args=config, train_dataset=dataset,
+                      processing_class=tokenizer, callbacks=[callback])
+    return recipe, trainer
+
+
+def run(run_dir: Path) -> None:
+    """Train, save, and leave the process group cleanly (ZeRO-3 on CPU may abort at exit otherwise)."""
+    import torch.distributed as dist
+
+    recipe, trainer = build_trainer(run_dir)
+    trainer.train()
+    if recipe.output.save_model:
+        trainer.save_model(str(run_dir / "final"))
+        if trainer.is_world_process_zero():
+            trainer.processing_class.save_pretrained(str(run_dir / "final"))
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    if trainer.is_world_process_zero():
+        (run_dir / DONE_FILE).write_text(json.dumps({"global_step": trainer.state.global_step}) + "\n")
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m colocate_rl.worker RUN_DIR (started by `colocate-rl train`)", file=sys.stderr)
+        return 2
+    try:
+        run(Path(args[0]))
+    except UserError as e:
+        for line in e.lines:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
