@@ -1,7 +1,7 @@
 """Execute a launch plan: create the run directory, build a built-in model, run torchrun supervised.
 
-torchrun's combined output goes to `<run_dir>/train.log` (and to the terminal with `--verbose` or when
-stdout is not a terminal); progress comes from `metrics.jsonl`. SIGINT/SIGTERM are forwarded to the
+torchrun's combined output goes to `<run_dir>/train.log` (and to the terminal with `--verbose`);
+progress comes from `metrics.jsonl`: a live bar on a terminal, one line per step otherwise. SIGINT/SIGTERM are forwarded to the
 whole torchrun process group. The exit code is torchrun's, except that a crash at interpreter exit
 after rank 0 wrote `DONE` (a known vLLM sleep-mode problem) does not fail a finished, saved run.
 """
@@ -165,7 +165,7 @@ def execute(plan: LaunchPlan, console: Console, verbose: bool = False) -> int:
         seen = len(records)
 
     try:
-        code = _Supervisor(plan, echo=not interactive, console=console).run(on_tick)
+        code = _Supervisor(plan, echo=verbose, console=console).run(on_tick)
     finally:
         if progress is not None:
             progress.stop()
@@ -177,7 +177,7 @@ def execute(plan: LaunchPlan, console: Console, verbose: bool = False) -> int:
     if code != 0:
         tail = (plan.run_dir / LOG_FILE).read_text(errors="replace").splitlines()[-40:] if (
             plan.run_dir / LOG_FILE).exists() else []
-        if interactive:
+        if not verbose:
             console.print("\n".join(tail), markup=False, highlight=False)
         console.print(f"[red]error:[/] training failed (torchrun exit {code}); full log: {plan.run_dir / LOG_FILE}")
     return code

@@ -42,7 +42,7 @@ _DIGITS_TEMPLATES = [
     "List {k} numbers that add up to {b}.",
     "Continue this sequence for {k} more numbers: {a}, {a2}, {a4}",
 ]
-_ARITHMETIC_TEMPLATES = ["What is {a} {op} {b}?", "Compute {a} {op} {b}.", "Calculate {a} {op} {b}.", "{a} {op} {b} = ?"]
+_ARITHMETIC_TEMPLATES = ["What is {a} {op} {b}?", "Compute {a} {op} {b}.", "Calculate {a} {op} {b}.", "{a} {op} {b}?"]
 _FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _DEFAULT_BUILTIN_SIZE = 512
 
@@ -53,7 +53,12 @@ def _did_you_mean(word: str, options) -> str:
 
 
 def _one_line(exc: BaseException, limit: int = 300) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    """`Type: message` on one line, with the root cause when the exception wraps another one."""
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = f"{type(exc).__name__}: {exc}" + (f" (caused by {type(root).__name__}: {root})" if root is not exc else "")
+    text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -63,8 +68,9 @@ def _builtin_rows(task: str, n: int, seed: int) -> list[dict]:
     rows = []
     for _ in range(n):
         if task == "digits":
-            a, k, m, d, y = rng.randint(1, 60), rng.randint(3, 12), rng.randint(2, 15), rng.randint(2, 6), rng.randint(1900, 2010)
-            v = dict(a=a, b=a + rng.randint(5, 30), k=k, m=m, d=d, y=y, z=y + rng.randint(3, 15), a2=a + m, a4=a + 2 * m)
+            a, m, y = rng.randint(1, 60), rng.randint(2, 15), rng.randint(1900, 2010)
+            v = dict(a=a, b=a + rng.randint(5, 30), k=rng.randint(3, 12), m=m, d=rng.randint(2, 6), y=y)
+            v.update(z=y + rng.randint(3, 15), a2=a + m, a4=a + 2 * m)
             rows.append({"prompt": rng.choice(_DIGITS_TEMPLATES).format(**v)})
         else:  # arithmetic
             op = rng.choice("+-*")
@@ -73,6 +79,15 @@ def _builtin_rows(task: str, n: int, seed: int) -> list[dict]:
             result = a + b if op == "+" else a - b if op == "-" else a * b
             rows.append({"prompt": rng.choice(_ARITHMETIC_TEMPLATES).format(a=a, op=op, b=b), "answer": str(result)})
     return rows
+
+
+def _parquet_rows(path: str) -> int | None:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_metadata(path).num_rows
+    except Exception:  # not a parquet file: let datasets report it
+        return None
 
 
 def _load_file(path: str, kind: str):
@@ -86,7 +101,8 @@ def _load_file(path: str, kind: str):
         )
     with open(path, "rb") as f:
         head = f.read(64)
-    if not head.strip() or (len(head) < 64 and head.strip() == b"[]"):
+    no_records = not head.strip() or (len(head) < 64 and head.strip() == b"[]")
+    if no_records or (kind == "parquet" and _parquet_rows(path) == 0):
         raise UserError(f"data.source: file '{path}' is empty. Fix: put at least one record in it.")
     try:
         return datasets.load_dataset(kind, data_files=path, split="train")
@@ -105,7 +121,8 @@ def _load_hub(source: str, subset: str | None, split: str):
         ds = datasets.load_dataset(source, subset, split=split)
     except Exception as e:
         raise UserError(
-            f"data.source: cannot load dataset '{source}' (data.subset={subset!r}, data.split={split!r}): {_one_line(e)}. "
+            f"data.source: cannot load dataset '{source}' (data.subset={subset!r}, data.split={split!r}): "
+            f"{_one_line(e)}. "
             "Fix: check the id, subset, split and network access, or use a local .jsonl/.json/.parquet file "
             f"or builtin:<task> ({', '.join(BUILTIN_TASKS)})."
         ) from e
@@ -155,7 +172,7 @@ def load_prompts(
     a missing/empty/unreadable file, a Hub load failure (e.g. offline), no rows, a missing `prompt_field` column,
     non-text prompts, a bad `num_samples`, or `system_prompt` without `chat`.
     """
-    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1):
+    if num_samples is not None and (type(num_samples) is not int or num_samples < 1):
         raise UserError(f"data.num_samples: must be a positive integer, got {num_samples!r}. Fix: set it or remove it.")
     if system_prompt and not chat:
         raise UserError(
@@ -163,7 +180,7 @@ def load_prompts(
             "Fix: set data.chat: true, or put the instruction into the prompt text."
         )
     if not isinstance(source, str) or not source.strip():
-        raise UserError("data.source: is empty. Fix: use builtin:<task>, a .jsonl/.json/.parquet file, or a Hub dataset id.")
+        raise UserError("data.source: is empty. Fix: use builtin:<task>, a .jsonl/.json/.parquet file or a Hub id.")
 
     if source.startswith("builtin:"):
         import datasets
@@ -178,7 +195,7 @@ def load_prompts(
     else:
         suffix = os.path.splitext(source)[1].lower()
         if suffix in _FILE_KINDS:
-            ds = _load_file(source, _FILE_KINDS[suffix])
+            ds = _load_file(os.path.expanduser(source), _FILE_KINDS[suffix])
         elif os.path.isfile(source):
             raise UserError(
                 f"data.source: file '{source}' has an unsupported type '{suffix}'. "
@@ -187,13 +204,14 @@ def load_prompts(
         else:
             ds = _load_hub(source, subset, split)
         if len(ds) == 0:
-            raise UserError(f"data.source: '{source}' has no rows (data.split={split!r}). Fix: use a non-empty dataset or split.")
+            raise UserError(f"data.source: '{source}' has no rows (data.split={split!r}). Fix: use a non-empty one.")
         if num_samples is not None:
             ds = ds.select(range(min(num_samples, len(ds))))
 
     if prompt_field not in ds.column_names:
         raise UserError(
-            f"data.prompt_field: column '{prompt_field}' not found in '{source}'{_did_you_mean(prompt_field, ds.column_names)}; "
+            f"data.prompt_field: column '{prompt_field}' not found in '{source}'"
+            f"{_did_you_mean(prompt_field, ds.column_names)}; "
             f"columns found: {', '.join(ds.column_names)}. Fix: set data.prompt_field to one of them."
         )
     prompts = [_to_prompt(v, i, prompt_field, chat, system_prompt) for i, v in enumerate(ds[prompt_field])]
@@ -278,9 +296,9 @@ BUILTIN_REWARDS = {f.__name__: f for f in (digit_share, answer_match, format_thi
 
 def _import_file(target: str, key: str):
     """Import `path/to/file.py` (relative to the current directory) as a fresh module."""
-    path = os.path.abspath(target)
+    path = os.path.abspath(os.path.expanduser(target))
     if not target.endswith(".py"):
-        raise UserError(f"{key}: '{target}' looks like a path but is not a .py file. Fix: write 'path/to/file.py:function'.")
+        raise UserError(f"{key}: '{target}' looks like a path but is not a .py file. Fix: write 'path/to/file.py:fn'.")
     if not os.path.isfile(path):
         raise UserError(
             f"{key}: reward file '{target}' not found (looked at {path}). "
@@ -295,7 +313,7 @@ def _import_file(target: str, key: str):
         spec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(mod_name, None)
-        raise UserError(f"{key}: importing reward file '{target}' failed: {_one_line(e)}. Fix: correct that file.") from e
+        raise UserError(f"{key}: importing reward file '{target}' failed: {_one_line(e)}. Fix: correct it.") from e
     return module
 
 
@@ -319,7 +337,7 @@ def resolve_reward(name: str, *, key: str):
     or a function without `**kwargs` (TRL passes completion_ids, trainer_state and every dataset column by keyword).
     """
     if not isinstance(name, str) or not name.strip():
-        raise UserError(f"{key}: reward name is empty. Fix: use a built-in ({', '.join(BUILTIN_REWARDS)}) or 'module:function'.")
+        raise UserError(f"{key}: reward name is empty. Fix: use one of {', '.join(BUILTIN_REWARDS)} or 'module:fn'.")
     name = name.strip()
     if ":" not in name:
         if name in BUILTIN_REWARDS:
@@ -330,20 +348,21 @@ def resolve_reward(name: str, *, key: str):
         )
     target, _, attr = name.rpartition(":")
     if not target or not attr.isidentifier():
-        raise UserError(f"{key}: '{name}' is malformed. Fix: write 'package.module:function' or 'path/to/file.py:function'.")
+        raise UserError(f"{key}: '{name}' is malformed. Fix: write 'package.module:function' or 'path/to/file.py:fn'.")
     is_path = target.endswith(".py") or "/" in target or os.sep in target
     module = _import_file(target, key) if is_path else _import_module(target, key)
 
     if not hasattr(module, attr):
         defined = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
         defined = [n for n in defined if not n.startswith("_")]
+        found = f"functions defined there: {', '.join(defined)}" if defined else "it defines no public functions"
         raise UserError(
-            f"{key}: '{target}' has no attribute '{attr}'{_did_you_mean(attr, defined)}; "
-            f"functions defined there: {', '.join(defined) or 'none'}. Fix: name one of them after the ':'."
+            f"{key}: '{target}' has no attribute '{attr}'{_did_you_mean(attr, defined)}; {found}. "
+            "Fix: put the reward function's name after the ':'."
         )
     fn = getattr(module, attr)
     if inspect.isclass(fn) or not callable(fn):
-        what = "a class" if inspect.isclass(fn) else f"a {type(fn).__name__}"
+        what = "a class" if inspect.isclass(fn) else f"an object of type {type(fn).__name__}"
         raise UserError(
             f"{key}: '{name}' is {what}, not a function. Fix: point at a function "
             "`def f(prompts, completions, **kwargs) -> list[float]` (or at a module-level instance with __call__)."

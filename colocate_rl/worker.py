@@ -73,6 +73,12 @@ def build_trainer(run_dir: Path):
         from trl import GRPOConfig as Config, GRPOTrainer as Trainer
     else:
         from trl import RLOOConfig as Config, RLOOTrainer as Trainer
+    if "deepspeed" in launch["trl_args"]:
+        # DeepSpeed reads the world size from its own comm layer: bring it up before HF builds the config
+        # (accelerate alone leaves it unset on CPU, and ZeRO-3 then sees a world of 1).
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo" if launch["device"] == "cpu" else "nccl")
     config = Config(**launch["trl_args"])
     trainer = Trainer(model=launch["model_path"], reward_funcs=rewards, args=config, train_dataset=dataset,
                       processing_class=tokenizer, callbacks=[callback])

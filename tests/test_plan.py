@@ -1,0 +1,100 @@
+"""The launch plan is pure: exact argv, env and files for single- and multi-node layouts."""
+
+import json
+from pathlib import Path
+
+import yaml
+
+from colocate_rl.host import Gpu, Host
+from colocate_rl.plan import make_plan
+from colocate_rl.recipe import parse_recipe
+from colocate_rl.resolve import resolve
+
+CPU = Host(gpus=(), has_vllm=False, cpu_count=2)
+GPU8 = Host(gpus=(Gpu("H200", 140.0),) * 8, has_vllm=True, cpu_count=128)
+RUN = Path("/runs/r1")
+CACHE = Path("/cache/colocate-rl")
+
+
+def plan_for(data, host=CPU, base_env=None):
+    resolved = resolve(parse_recipe({"rewards": [{"name": "digit_share"}], **data}), host)
+    return make_plan(resolved, run_dir=RUN, python="/venv/bin/python", cwd=Path("/work"), cache_dir=CACHE,
+                     base_env=base_env or {})
+
+
+def test_single_node_cpu_plan():
+    plan = plan_for({"distributed": {"deepspeed": "zero3"}})
+    assert plan.argv == [
+        "/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+        "--standalone", "-m", "colocate_rl.worker", "/runs/r1",
+    ]
+    assert plan.env == {
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "TORCH_EXTENSIONS_DIR": "/cache/colocate-rl/torch_extensions",
+        "DS_ACCELERATOR": "cpu",
+        "HF_HUB_OFFLINE": "1",
+    }
+    assert sorted(plan.files) == ["deepspeed.json", "launch.json", "launch.sh", "recipe.yaml"]
+    assert plan.builtin_model == {"layout": "tiny", "out_dir": "/runs/r1/model", "seed": 42, "dtype": "float32"}
+    launch = json.loads(plan.files["launch.json"])
+    assert launch["model_path"] == "/runs/r1/model" and launch["world_size"] == 2
+    args = launch["trl_args"]
+    assert args["deepspeed"] == "/runs/r1/deepspeed.json"
+    assert (args["use_cpu"], args["bf16"], args["fp16"], args["use_vllm"]) == (True, False, False, False)
+    assert args["model_init_kwargs"] == {"dtype": "float32"} and args["report_to"] == "none"
+    assert json.loads(plan.files["deepspeed.json"])["bf16"]["enabled"] is False
+    assert yaml.safe_load(plan.files["recipe.yaml"])["output"]["run_dir"] == "/runs/r1"
+
+
+def test_user_env_wins_and_plan_has_no_side_effects():
+    plan = plan_for({}, base_env={"OMP_NUM_THREADS": "7", "TORCH_EXTENSIONS_DIR": "/mine"})
+    assert "OMP_NUM_THREADS" not in plan.env and "TORCH_EXTENSIONS_DIR" not in plan.env
+    assert "deepspeed.json" not in plan.files
+    assert not RUN.exists()
+
+
+def test_multi_node_c10d_plan():
+    plan = plan_for({"distributed": {"nnodes": 2, "node_rank": 1, "rdzv_endpoint": "node0:29500",
+                                     "rdzv_id": "job42"}}, host=GPU8)
+    assert plan.argv == [
+        "/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8",
+        "--node-rank", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "job42",
+        "-m", "colocate_rl.worker", "/runs/r1",
+    ]
+    assert plan.env["OMP_NUM_THREADS"] == "16" and "DS_ACCELERATOR" not in plan.env
+    assert json.loads(plan.files["launch.json"])["world_size"] == 16
+
+
+def test_multi_node_static_plan():
+    plan = plan_for({"distributed": {"nnodes": 2, "node_rank": 0, "rdzv_backend": "static",
+                                     "rdzv_endpoint": "10.0.0.1:29400"}}, host=GPU8)
+    assert plan.argv[3:-3] == ["--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "0",
+                               "--master-addr", "10.0.0.1", "--master-port", "29400"]
+
+
+def test_gpu_plan_turns_on_colocated_vllm():
+    plan = plan_for({"generation": {"vllm_gpu_memory_utilization": 0.4, "tensor_parallel_size": 2,
+                                    "sleep_mode": True, "max_model_length": 1024}}, host=GPU8)
+    args = json.loads(plan.files["launch.json"])["trl_args"]
+    assert {k: args[k] for k in args if k.startswith("vllm") or k in ("use_vllm", "bf16", "use_cpu")} == {
+        "use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.4,
+        "vllm_tensor_parallel_size": 2, "vllm_enable_sleep_mode": True, "vllm_max_model_length": 1024,
+        "bf16": True, "use_cpu": False,
+    }
+
+
+def test_launch_script_replays_the_plan():
+    plan = plan_for({})
+    script = plan.files["launch.sh"]
+    assert script.startswith("#!/usr/bin/env bash\n")
+    assert "cd /work\n" in script and "export DS_ACCELERATOR=cpu\n" in script
+    assert script.rstrip().endswith("exec " + " ".join(plan.argv))
+    assert plan.command_line().endswith(" ".join(plan.argv))
+
+
+def test_extra_args_pass_through():
+    plan = plan_for({"trainer": {"extra_args": {"loss_type": "dr_grpo", "top_k": 5}}})
+    args = json.loads(plan.files["launch.json"])["trl_args"]
+    assert args["loss_type"] == "dr_grpo" and args["top_k"] == 5
