@@ -98,7 +98,8 @@ def run(run_dir: Path) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     if trainer.is_world_process_zero():
-        (run_dir / DONE_FILE).write_text(json.dumps({"global_step": trainer.state.global_step}) + "\n")
+        done = {"global_step": trainer.state.global_step, "world_size": trainer.accelerator.num_processes}
+        (run_dir / DONE_FILE).write_text(json.dumps(done) + "\n")
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

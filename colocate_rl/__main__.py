@@ -1,0 +1,3 @@
+from colocate_rl.cli import main
+
+main()
