@@ -52,8 +52,11 @@ def write_run_dir(plan: LaunchPlan) -> None:
 def build_builtin_model(plan: LaunchPlan) -> None:
     """Generate the offline built-in model once, before any rank starts."""
     if plan.builtin_model:
+        from transformers.utils import logging as hf_logging
+
         from colocate_rl.builtin_model import build_model
 
+        hf_logging.disable_progress_bar()
         build_model(**plan.builtin_model)
 
 
@@ -175,9 +178,14 @@ def execute(plan: LaunchPlan, console: Console, verbose: bool = False) -> int:
                       "(a crash at interpreter exit, known with vLLM sleep mode); the run counts as successful")
         code = 0
     if code != 0:
-        tail = (plan.run_dir / LOG_FILE).read_text(errors="replace").splitlines()[-40:] if (
-            plan.run_dir / LOG_FILE).exists() else []
+        from colocate_rl.diagnose import diagnose
+        from colocate_rl.recipe import load_recipe
+
+        log_path = plan.run_dir / LOG_FILE
+        log = log_path.read_text(errors="replace") if log_path.exists() else ""
         if not verbose:
-            console.print("\n".join(tail), markup=False, highlight=False)
-        console.print(f"[red]error:[/] training failed (torchrun exit {code}); full log: {plan.run_dir / LOG_FILE}")
+            console.print("\n".join(log.splitlines()[-40:]), markup=False, highlight=False)
+        console.print(f"[red]error:[/] training failed (torchrun exit {code}); full log: {log_path}")
+        for line in diagnose(log, load_recipe(plan.run_dir / "recipe.yaml")):
+            console.print(f"[yellow]hint:[/] {line}", highlight=False)
     return code

@@ -21,15 +21,26 @@ DONE_FILE = "DONE"
 
 
 def make_metrics_callback(path: Path):
-    """A TrainerCallback that appends TRL's logged values (plus step and wall seconds) to `path` on rank 0."""
+    """A TrainerCallback that appends TRL's logged values, step, wall seconds and this rank's memory right
+    after the optimizer step (and the step's peak, on GPU) to `path`, on rank 0."""
     from transformers import TrainerCallback
+
+    from colocate_rl.memory import MemoryProbe
 
     class MetricsCallback(TrainerCallback):
         def __init__(self):
             self.start = time.time()
+            self.memory = MemoryProbe()
+            self.at_step_end: dict[str, float] = {}
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.start = time.time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.at_step_end = self.memory.step_end()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.memory.close()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or not logs:
@@ -37,6 +48,8 @@ def make_metrics_callback(path: Path):
             record: dict[str, Any] = {"step": state.global_step, "max_steps": state.max_steps,
                                       "wall_s": round(time.time() - self.start, 3)}
             record.update({k: v for k, v in logs.items() if isinstance(v, (int, float, str))})
+            if "reward" in logs:
+                record.update(self.at_step_end)
             with path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 

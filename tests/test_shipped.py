@@ -1,0 +1,73 @@
+"""Every shipped recipe validates and plans (on this CPU host and for an 8-GPU node); every shipped
+DeepSpeed config loads and builds for each precision."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from colocate_rl.ds_config import build_deepspeed_config
+from colocate_rl.host import assumed_host, detect_host
+from colocate_rl.plan import make_plan
+from colocate_rl.recipe import load_recipe
+from colocate_rl.resolve import resolve
+from colocate_rl.shipped import recipe_summary, shipped_deepspeed_configs, shipped_recipes
+
+RECIPES = shipped_recipes()
+
+
+def test_expected_recipes_are_shipped():
+    assert {"quickstart", "qwen2.5-1.5b-grpo-gsm8k", "qwen2.5-1.5b-rloo-gsm8k", "qwen2.5-7b-grpo",
+            "qwen2.5-72b-grpo-colocate"} <= set(RECIPES)
+    assert any(load_recipe(p).algorithm == "rloo" for p in RECIPES.values())
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("host", ["detected", "8 GPUs"])
+def test_shipped_recipe_validates_and_plans(name, host, tmp_path):
+    recipe = load_recipe(RECIPES[name])
+    assert recipe.name == name, "a recipe's name matches its file name"
+    assert recipe_summary(RECIPES[name]), "a recipe starts with a one-line comment saying what it runs"
+    resolved = resolve(recipe, detect_host() if host == "detected" else assumed_host(8))
+    plan = make_plan(resolved, run_dir=tmp_path / "run", python="python", cwd=tmp_path, cache_dir=tmp_path,
+                     base_env={})
+    assert plan.argv[:3] == ["python", "-m", "torch.distributed.run"]
+    if host == "8 GPUs":
+        args = json.loads(plan.files["launch.json"])["trl_args"]
+        assert args["use_vllm"] and args["vllm_mode"] == "colocate" and args["bf16"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", sorted(shipped_deepspeed_configs()))
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "no"])
+def test_shipped_deepspeed_configs_build(name, precision):
+    config = build_deepspeed_config(name, precision=precision)
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["bf16"]["enabled"] is (precision == "bf16") and config["fp16"]["enabled"] is (precision == "fp16")
+    assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    raw = json.loads(Path(shipped_deepspeed_configs()[name]).read_text())
+    assert ("offload_optimizer" in raw["zero_optimization"]) == ("offload" in name)
+    assert ("offload_param" in raw["zero_optimization"]) == (name == "zero3_offload_all")
+
+
+def test_deepspeed_overrides_and_user_file(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}))
+    config = build_deepspeed_config(str(path), precision="bf16", offload_optimizer=True,
+                                    overrides={"zero_optimization": {"overlap_comm": False}})
+    assert config["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                           "overlap_comm": False}
+    path.write_text("{bad json")
+    from colocate_rl.errors import UserError
+
+    with pytest.raises(UserError, match=r"mine.json:1:2: invalid JSON"):
+        build_deepspeed_config(str(path), precision="no")
+
+
+def test_ci_runs_the_readme_test_command():
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    block = readme.split("<!-- test-command -->", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0].strip()
+    assert block == "python -m pytest -q"
+    ci = (root / ".ci" / "run").read_text().splitlines()
+    assert block in ci, ".ci/run must call the README's exact test command"
