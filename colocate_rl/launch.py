@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -27,26 +28,91 @@ from colocate_rl.worker import DONE_FILE, METRICS_FILE
 LOG_FILE = "train.log"
 
 
-def default_run_dir(name: str, now: datetime) -> Path:
+def default_run_dir(name: str, now: datetime, rdzv_id: str | None = None) -> Path:
+    """runs/<name>-<date>-<time>; on several nodes runs/<name>-<rdzv_id>, the same on every node (the nodes
+    start at different seconds), e.g. the Slurm job id."""
+    if rdzv_id is not None:
+        return Path("runs") / f"{name}-{re.sub(r'[^A-Za-z0-9._-]', '_', rdzv_id)}"
     return Path("runs") / f"{name}-{now:%Y%m%d-%H%M%S}"
 
 
-def check_run_dir_free(run_dir: Path) -> None:
-    """Fail if `run_dir` exists and is not empty (results of two runs must never mix)."""
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-        raise UserError(f"output.run_dir: '{run_dir}' already exists and is not empty; "
-                        "pass another --run-dir or remove it")
+# What other nodes of the same multi-node run may already have put into a shared run directory.
+SHARED_BEFORE_START = {"recipe.yaml", "launch.json", "deepspeed.json", "model", "nodes"}
 
 
-def write_run_dir(plan: LaunchPlan) -> None:
-    """Create the run directory and write the plan's files into it."""
-    check_run_dir_free(plan.run_dir)
+def log_path(plan: LaunchPlan) -> Path:
+    """This node's log: `<run_dir>/train.log`, or `<run_dir>/nodes/<node_rank>/train.log` on several nodes."""
+    return plan.run_dir / (plan.node_dir or "") / LOG_FILE
+
+
+def check_run_dir_free(run_dir: Path, node_dir: str | None = None) -> None:
+    """Fail if `run_dir` holds another run (results of two runs must never mix).
+
+    One node (`node_dir` None): the directory must be missing or empty. Several nodes sharing one directory:
+    the other nodes' files of this run are expected, so it fails only when this node's own `node_dir` exists,
+    the run finished (`DONE`), or it holds anything a starting run does not write (a log, metrics, a model)."""
+    if not run_dir.exists():
+        return
+    fix = "pass another --run-dir (the same on every node, or a local one each) or remove it"
+    if not run_dir.is_dir():
+        raise UserError(f"output.run_dir: '{run_dir}' exists and is not a directory; {fix}")
+    entries = sorted(p.name for p in run_dir.iterdir())
+    if node_dir is None:
+        if entries:
+            raise UserError(f"output.run_dir: '{run_dir}' already exists and is not empty; "
+                            "pass another --run-dir or remove it")
+        return
+    if DONE_FILE in entries:
+        raise UserError(f"output.run_dir: '{run_dir}' holds a finished run ({DONE_FILE}); {fix}")
+    if (run_dir / node_dir).exists():
+        raise UserError(f"output.run_dir: '{run_dir}' already has {node_dir}/ (this node rank already started "
+                        f"a run there); {fix}, and give each node its own --node-rank")
+    foreign = [name for name in entries if name not in SHARED_BEFORE_START and not name.startswith(".")]
+    if foreign:
+        raise UserError(f"output.run_dir: '{run_dir}' holds another run ({', '.join(foreign[:3])}); {fix}")
+
+
+def _write_shared(path: Path, content: str) -> bool:
+    """Write a file all nodes write with the same bytes: the first writer wins, nothing is overwritten or seen
+    half-written. Returns whether the file now holds `content` (False: another node wrote something else)."""
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(content)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        except OSError:  # a filesystem without hard links
+            if not path.exists():
+                os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path.read_text() == content
+
+
+def write_run_dir(plan: LaunchPlan) -> list[str]:
+    """Create the run directory and write the plan's files into it. Several nodes: this node's files go to its
+    `node_dir`, created exclusively; the shared ones are written unless present. Returns the shared files that
+    another node wrote differently (the ranks' recipe check then stops the run)."""
+    check_run_dir_free(plan.run_dir, plan.node_dir)
     plan.run_dir.mkdir(parents=True, exist_ok=True)
+    differ = []
+    if plan.node_dir is not None:
+        try:
+            (plan.run_dir / plan.node_dir).mkdir(parents=True)
+        except FileExistsError:
+            raise UserError(f"output.run_dir: '{plan.run_dir}' already has {plan.node_dir}/ (another node started "
+                            "with the same node rank?); give each node its own --node-rank")
     for name, content in plan.files.items():
         path = plan.run_dir / name
+        if plan.node_dir is not None and not name.startswith(plan.node_dir + "/"):
+            if not _write_shared(path, content):
+                differ.append(name)
+            continue
         path.write_text(content)
         if name.endswith(".sh"):
             path.chmod(0o755)
+    return differ
 
 
 def build_builtin_model(plan: LaunchPlan) -> None:
@@ -87,6 +153,13 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def worker_errors(log: str) -> list[str]:
+    """The `error: ...` lines ranks printed (a UserError in the worker, e.g. a recipe mismatch between nodes),
+    each once, in order."""
+    found = re.findall(r"^(?:\[[^\]\n]*\]:?\s*)?error: (.+)$", log, flags=re.MULTILINE)
+    return list(dict.fromkeys(line.strip() for line in found))
+
+
 def _step_line(record: dict[str, Any]) -> str:
     parts = [f"step {record['step']}/{record.get('max_steps', '?')}"]
     for key in ("reward", "loss"):
@@ -120,7 +193,7 @@ class _Supervisor:
         env = {**os.environ, **self.plan.env}
         self.proc = subprocess.Popen(self.plan.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        pump = threading.Thread(target=self._pump, args=(self.plan.run_dir / LOG_FILE,), daemon=True)
+        pump = threading.Thread(target=self._pump, args=(log_path(self.plan),), daemon=True)
         pump.start()
         previous = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -137,8 +210,12 @@ class _Supervisor:
 
 def execute(plan: LaunchPlan, console: Console, verbose: bool = False) -> int:
     """Write the run dir, build the model, run torchrun; return the exit code for the CLI."""
-    write_run_dir(plan)
-    console.print(f"run dir: [bold]{plan.run_dir}[/]  (log: {plan.run_dir / LOG_FILE})")
+    differ = write_run_dir(plan)
+    console.print(f"run dir: [bold]{plan.run_dir}[/]  (log: {log_path(plan)})")
+    if differ:
+        console.print(f"[yellow]warning:[/] {', '.join(differ)} in the run dir were written by another node from a "
+                      "different recipe; the ranks compare recipes at start and stop if the nodes differ",
+                      highlight=False)
     if plan.builtin_model:
         console.print(f"building built-in model {plan.builtin_model['layout']} ...")
         build_builtin_model(plan)
@@ -181,11 +258,14 @@ def execute(plan: LaunchPlan, console: Console, verbose: bool = False) -> int:
         from colocate_rl.diagnose import diagnose
         from colocate_rl.recipe import load_recipe
 
-        log_path = plan.run_dir / LOG_FILE
-        log = log_path.read_text(errors="replace") if log_path.exists() else ""
+        log_file = log_path(plan)
+        log = log_file.read_text(errors="replace") if log_file.exists() else ""
         if not verbose:
             console.print("\n".join(log.splitlines()[-40:]), markup=False, highlight=False)
-        console.print(f"[red]error:[/] training failed (torchrun exit {code}); full log: {log_path}")
-        for line in diagnose(log, load_recipe(plan.run_dir / "recipe.yaml")):
+        console.print(f"[red]error:[/] training failed (torchrun exit {code}); full log: {log_file}")
+        for line in worker_errors(log):
+            console.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+        recipe_file = plan.run_dir / "recipe.yaml"
+        for line in diagnose(log, load_recipe(recipe_file)) if recipe_file.exists() else []:
             console.print(f"[yellow]hint:[/] {line}", highlight=False)
     return code

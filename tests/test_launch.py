@@ -1,0 +1,90 @@
+"""Executing a plan with real subprocesses (no torchrun): exit codes, the DONE rule, signals, files."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from colocate_rl.launch import LOG_FILE, execute, summarize
+from colocate_rl.plan import LaunchPlan
+from colocate_rl.recipe import dump_recipe, parse_recipe
+
+RECIPE = dump_recipe(parse_recipe({"rewards": [{"name": "digit_share"}]}))
+
+
+def plan_running(tmp_path: Path, code: str) -> LaunchPlan:
+    """A plan whose 'torchrun' is a small Python program (stands in for the ranks)."""
+    return LaunchPlan(run_dir=tmp_path / "run", argv=[sys.executable, "-c", code], env={"RUN_MARK": "x"},
+                      files={"recipe.yaml": RECIPE, "launch.sh": "#!/bin/sh\n"})
+
+
+def test_exit_code_is_propagated_and_files_written(tmp_path):
+    plan = plan_running(tmp_path, "import os, sys; print('rank says', os.environ['RUN_MARK']); sys.exit(3)")
+    console = Console(record=True, width=200)
+    assert execute(plan, console) == 3
+    assert (plan.run_dir / "recipe.yaml").read_text() == RECIPE
+    assert (plan.run_dir / "launch.sh").stat().st_mode & 0o100
+    assert "rank says x" in (plan.run_dir / LOG_FILE).read_text()
+    assert "training failed (torchrun exit 3)" in console.export_text()
+
+
+def test_crash_at_exit_after_done_counts_as_success(tmp_path):
+    """vLLM can crash at interpreter exit after sleep mode; a run that wrote DONE still succeeds."""
+    run_dir = tmp_path / "run"
+    code = f"import pathlib, os; pathlib.Path({str(run_dir)!r}, 'DONE').write_text('{{}}'); os.abort()"
+    console = Console(record=True, width=200)
+    assert execute(plan_running(tmp_path, code), console) == 0
+    assert "the run counts as successful" in console.export_text()
+
+
+def test_metrics_drive_step_lines_and_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    records = [{"step": i, "max_steps": 3, "wall_s": i * 0.5, "reward": r, "loss": 0.1}
+               for i, r in [(1, 0.1), (2, 0.2), (3, 0.4)]]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    code = f"import shutil; shutil.copy({str(tmp_path / 'records.jsonl')!r}, {str(run_dir / 'metrics.jsonl')!r})"
+    console = Console(record=True, width=200)
+    assert execute(plan_running(tmp_path, code), console) == 0
+    assert "step 3/3  reward 0.4000  loss 0.1000" in console.export_text()
+    assert summarize(run_dir) == {"steps": 3, "reward_first": 0.1, "reward_last": 0.4, "train_s": 1.5}
+
+
+RANK = """
+import pathlib, signal, sys, time
+run = pathlib.Path(sys.argv[1])
+def on_term(*_):
+    (run / "got-term").write_text("1")
+    sys.exit(7)
+signal.signal(signal.SIGTERM, on_term)
+(run / "ready").write_text("1")
+time.sleep(60)
+"""
+
+LAUNCHER = """
+import sys
+from pathlib import Path
+from rich.console import Console
+from colocate_rl.launch import execute
+from colocate_rl.plan import LaunchPlan
+run, rank = Path(sys.argv[1]), sys.argv[2]
+plan = LaunchPlan(run_dir=run, argv=[sys.executable, rank, str(run)], env={}, files={})
+sys.exit(execute(plan, Console()))
+"""
+
+
+def test_sigterm_is_forwarded_to_the_ranks(tmp_path):
+    """Slurm's scancel sends SIGTERM to the launcher: the whole torchrun group must get it."""
+    run_dir = tmp_path / "run"
+    (tmp_path / "rank.py").write_text(RANK)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), str(run_dir), str(tmp_path / "rank.py")])
+    deadline = time.time() + 30
+    while not (run_dir / "ready").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 7
+    assert (run_dir / "got-term").exists()
