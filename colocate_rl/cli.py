@@ -30,6 +30,15 @@ RecipeArg = Annotated[str, typer.Argument(help="Recipe file, or the name of a sh
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a key: --set trainer.max_steps=20 (YAML value).")]
 GpusOpt = Annotated[Optional[int], typer.Option("--gpus", min=0, help="Plan for N GPUs per node with vLLM instead of "
                                                 "detecting them (e.g. on a login node).")]
+NnodesOpt = Annotated[Optional[str], typer.Option("--nnodes", metavar="N", help="Number of nodes (distributed.nnodes; "
+                                                  "under srun read from Slurm).", show_default=False)]
+NodeRankOpt = Annotated[Optional[str], typer.Option("--node-rank", metavar="K", help="This node's rank, 0 … nnodes-1 "
+                                                    "(distributed.node_rank).", show_default=False)]
+RdzvEndpointOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", metavar="HOST:PORT", help="Rendezvous "
+                                                        "host:port, normally node 0 (distributed.rdzv_endpoint).",
+                                                        show_default=False)]
+RdzvIdOpt = Annotated[Optional[str], typer.Option("--rdzv-id", metavar="ID", help="Rendezvous id, the same on every "
+                                                  "node of one job (distributed.rdzv_id).", show_default=False)]
 
 
 def _guarded(fn):
@@ -62,17 +71,24 @@ def _recipe_path(recipe: str) -> Path:
     raise UserError(f"{recipe}: no such recipe file or shipped recipe; shipped: {', '.join(shipped)}")
 
 
-def _resolve(recipe: str, overrides: list[str] | None, gpus: int | None):
+def _resolve(recipe: str, overrides: list[str] | None, gpus: int | None, node_flags: dict | None = None):
+    """Load (defaults < recipe < Slurm environment < --set and node flags), validate, bind to the host.
+    Returns the resolved recipe and where each distributed node key came from."""
+    from colocate_rl.cluster import explain_sources, layer_distributed
     from colocate_rl.host import assumed_host, detect_host
-    from colocate_rl.recipe import load_recipe
+    from colocate_rl.recipe import parse_recipe, read_yaml
     from colocate_rl.resolve import resolve
 
-    loaded = load_recipe(_recipe_path(recipe), overrides or [])
+    path = _recipe_path(recipe)
+    data, sources = layer_distributed(read_yaml(path), overrides or [], node_flags or {}, os.environ)
     host = detect_host() if gpus is None else assumed_host(gpus)
-    return resolve(loaded, host)
+    try:
+        return resolve(parse_recipe(data, str(path)), host), sources
+    except UserError as e:
+        raise UserError(*explain_sources(e.lines, sources))
 
 
-def _summary_table(resolved, run_dir: Path | None = None) -> Table:
+def _summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") -> Table:
     r = resolved.recipe
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
@@ -96,6 +112,11 @@ def _summary_table(resolved, run_dir: Path | None = None) -> Table:
         ("steps", f"{r.trainer.max_steps} × {r.trainer.per_device_train_batch_size * resolved.world_size} "
                   f"completions ({r.trainer.num_generations} per prompt)"),
     ]
+    if dist.nnodes > 1:
+        rows.append(("node", f"{dist.node_rank} of {dist.nnodes}, rendezvous {dist.rdzv_backend} {dist.rdzv_endpoint} "
+                             f"(id {dist.rdzv_id})"))
+    if recipe_hash:
+        rows.append(("recipe hash", f"{recipe_hash} (the same on every node)"))
     if run_dir is not None:
         rows.append(("run dir", str(run_dir)))
     for key, value in rows:
@@ -105,9 +126,12 @@ def _summary_table(resolved, run_dir: Path | None = None) -> Table:
 
 @app.command()
 @_guarded
-def validate(recipe: RecipeArg, set_: SetOpt = None, gpus: GpusOpt = None) -> None:
+def validate(recipe: RecipeArg, set_: SetOpt = None, gpus: GpusOpt = None, nnodes: NnodesOpt = None,
+             node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvEndpointOpt = None, rdzv_id: RdzvIdOpt = None) -> None:
     """Check a recipe (schema and cross-field checks against this machine) without running it."""
-    resolved = _resolve(recipe, set_, gpus)
+    from colocate_rl.cluster import parse_node_flags
+
+    resolved, _ = _resolve(recipe, set_, gpus, parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id))
     console.print(_summary_table(resolved))
     console.print("[green]recipe is valid[/]")
 
@@ -118,28 +142,46 @@ def train(
     recipe: RecipeArg,
     set_: SetOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the launch command; write nothing.")] = False,
-    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>).")] = None,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>; on several nodes runs/<name>-<rdzv id>).")] = None,
     gpus: GpusOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Stream every rank's output.")] = False,
+    nnodes: NnodesOpt = None,
+    node_rank: NodeRankOpt = None,
+    rdzv_endpoint: RdzvEndpointOpt = None,
+    rdzv_id: RdzvIdOpt = None,
 ) -> None:
     """Train: validate the recipe, write the run directory, run torchrun with the worker on every rank."""
+    from colocate_rl.cluster import NODE_KEYS, parse_node_flags, slurm_note
     from colocate_rl.launch import check_run_dir_free, default_run_dir, execute, summarize
     from colocate_rl.plan import make_plan
 
-    resolved = _resolve(recipe, set_, gpus)
+    node_flags = parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id)
+    resolved, sources = _resolve(recipe, set_, gpus, node_flags)
+    dist = resolved.recipe.distributed
     chosen = run_dir or (Path(resolved.recipe.output.run_dir) if resolved.recipe.output.run_dir else
-                         default_run_dir(resolved.recipe.name, datetime.now()))
+                         default_run_dir(resolved.recipe.name, datetime.now(), dist.rdzv_id if dist.nnodes > 1
+                                         else None))
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "colocate-rl"
     plan = make_plan(resolved, run_dir=chosen.absolute(), python=sys.executable, cwd=Path.cwd(),
                      cache_dir=cache, base_env=os.environ)
+    note = slurm_note(os.environ) if dist.nnodes == 1 and sources["nnodes"] in ("default", "recipe") else None
     if dry_run:
         print(f"# run dir (not created): {plan.run_dir}")
+        for key in NODE_KEYS:  # where the node settings came from (all of them on several nodes)
+            if dist.nnodes > 1 or sources[key] != "default":
+                print(f"# distributed.{key} = {getattr(dist, key)}  ({sources[key]})")
+        if dist.nnodes > 1:
+            print(f"# recipe hash: {plan.recipe_hash} (must be the same on every node)")
+        if note:
+            print(f"# note: {note}")
         print(plan.command_line())
         return
     if gpus is not None:
         raise UserError("--gpus: only for planning (validate, train --dry-run); a real run uses the GPUs it finds")
-    check_run_dir_free(plan.run_dir)
-    console.print(_summary_table(resolved, plan.run_dir))
+    check_run_dir_free(plan.run_dir, plan.node_dir)
+    if note:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    console.print(_summary_table(resolved, plan.run_dir, plan.recipe_hash if dist.nnodes > 1 else ""))
     code = execute(plan, console, verbose=verbose)
     summary = summarize(plan.run_dir)
     if summary["steps"]:
@@ -201,6 +243,20 @@ def env() -> None:
     backend = "vllm (colocated)" if host.gpus and host.has_vllm else "transformers"
     why = "" if backend.startswith("vllm") else (" (no GPU)" if not host.gpus else " (vLLM not installed)")
     console.print(f"generation.backend auto → {backend}{why}; CPU cores: {host.cpu_count}")
+
+
+@app.command()
+@_guarded
+def report(
+    run_dirs: Annotated[list[Path], typer.Argument(metavar="RUN_DIR [RUN_DIR2]", show_default=False,
+                                                   help="Run directory written by `colocate-rl train`; give two to "
+                                                        "compare them (e.g. sleep mode on vs off).")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="Directory for the PNGs (default the first RUN_DIR).")] = None,
+) -> None:
+    """Time and memory per phase, reward and run summary as tables, plus PNG plots (memory timeline, step breakdown, reward)."""
+    from colocate_rl.report import report as write_report
+
+    write_report(run_dirs, out, console)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from colocate_rl.cluster import IDENTITY_FILE, NODE_RANK_ENV, NODES_DIR, RECIPE_HASH_ENV, identity_hash, recipe_identity
 from colocate_rl.recipe import dump_recipe
 from colocate_rl.resolve import Resolved
 
@@ -26,6 +27,8 @@ class LaunchPlan:
     env: dict[str, str]  # added to the parent environment
     files: dict[str, str] = field(default_factory=dict)  # run-dir relative name → content
     builtin_model: dict[str, Any] | None = None  # build_model() kwargs when the model is built-in
+    node_dir: str | None = None  # multi-node: "nodes/<node_rank>", this node's own files (the rest is shared)
+    recipe_hash: str = ""  # hash of the resolved recipe minus node rank and run dir; equal on every node
 
     def command_line(self) -> str:
         """The launch as one shell line (env assignments, then argv)."""
@@ -111,6 +114,8 @@ def torchrun_argv(resolved: Resolved, run_dir: Path, python: str) -> list[str]:
     else:
         argv += ["--node-rank", str(dist.node_rank), "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", dist.rdzv_endpoint, "--rdzv-id", dist.rdzv_id]
+    if dist.nnodes > 1:  # per-rank logs of this node (its train.log gets the same lines, prefixed [defaultN]:)
+        argv += ["--log-dir", str(run_dir / NODES_DIR / str(dist.node_rank) / "ranks"), "--tee", "3"]
     return argv + ["-m", WORKER_MODULE, str(run_dir)]
 
 
@@ -137,6 +142,13 @@ def make_plan(
     recipe.output.run_dir = str(run_dir)
     env = rank_env(resolved, base_env, cache_dir)
     argv = torchrun_argv(resolved, run_dir, python)
+    identity = recipe_identity(resolved)
+    recipe_hash = identity_hash(identity)
+    multi_node = recipe.distributed.nnodes > 1
+    node_dir = f"{NODES_DIR}/{recipe.distributed.node_rank}" if multi_node else None
+    if multi_node:  # set even if the caller's environment has them: they describe this launch
+        env[RECIPE_HASH_ENV] = recipe_hash
+        env[NODE_RANK_ENV] = str(recipe.distributed.node_rank)
     launch = {
         "model_path": model_path(resolved, run_dir),
         "algorithm": recipe.algorithm,
@@ -144,16 +156,31 @@ def make_plan(
         "device": resolved.device,
         "world_size": resolved.world_size,
         "trl_args": trl_args(resolved, run_dir),
+        "recipe_hash": recipe_hash,
     }
-    files = {
-        "recipe.yaml": dump_recipe(recipe),
-        "launch.json": json.dumps(launch, indent=2) + "\n",
-        "launch.sh": launch_script(argv, env, cwd),
-    }
+    if multi_node:
+        # Shared by all nodes (each writes the same bytes, the first one wins): no node rank in it.
+        shared_recipe = ("# Shared by every node of this run; each node's rank comes from --node-rank or Slurm.\n"
+                         + dump_recipe(recipe, exclude={"distributed": {"node_rank"}}))
+        files = {
+            "recipe.yaml": shared_recipe,
+            "launch.json": json.dumps(launch, indent=2) + "\n",
+            f"{node_dir}/launch.sh": launch_script(argv, env, cwd),
+            f"{node_dir}/{IDENTITY_FILE}": json.dumps({"node_rank": recipe.distributed.node_rank,
+                                                       "recipe_hash": recipe_hash, "identity": identity},
+                                                      indent=2) + "\n",
+        }
+    else:
+        files = {
+            "recipe.yaml": dump_recipe(recipe),
+            "launch.json": json.dumps(launch, indent=2) + "\n",
+            "launch.sh": launch_script(argv, env, cwd),
+        }
     if resolved.deepspeed is not None:
         files["deepspeed.json"] = json.dumps(resolved.deepspeed, indent=2) + "\n"
     builtin = None
     if resolved.builtin_layout:
         builtin = {"layout": resolved.builtin_layout, "out_dir": str(run_dir / "model"),
                    "seed": recipe.trainer.seed, "dtype": resolved.model_dtype}
-    return LaunchPlan(run_dir=run_dir, argv=argv, env=env, files=files, builtin_model=builtin)
+    return LaunchPlan(run_dir=run_dir, argv=argv, env=env, files=files, builtin_model=builtin, node_dir=node_dir,
+                      recipe_hash=recipe_hash)

@@ -117,7 +117,8 @@ class DistributedSection(_Section):
         "c10d", description="torchrun rendezvous: c10d (elastic) or static (MASTER_ADDR/node rank)."
     )
     rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (required when nnodes > 1).")
-    rdzv_id: str = Field("colocate-rl", description="Rendezvous id shared by all nodes of one job.")
+    rdzv_id: str = Field("colocate-rl", coerce_numbers_to_str=True,
+                         description="Rendezvous id shared by all nodes of one job.")
     deepspeed: str | None = Field(
         None,
         description="Shipped DeepSpeed config name (zero3, zero3_offload_optimizer, zero3_offload_all) "
@@ -297,6 +298,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     return parse_recipe(data, str(path))
 
 
-def dump_recipe(recipe: Recipe) -> str:
-    """The fully resolved recipe (defaults included) as YAML, as written to the run directory."""
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+def dump_recipe(recipe: Recipe, exclude: dict | None = None) -> str:
+    """The fully resolved recipe (defaults included) as YAML, as written to the run directory; `exclude` is
+    pydantic's nested exclude (e.g. `{"distributed": {"node_rank"}}` for the file all nodes share)."""
+    return yaml.safe_dump(recipe.model_dump(mode="json", exclude=exclude), sort_keys=False, default_flow_style=False)

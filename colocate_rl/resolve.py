@@ -186,8 +186,11 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
 
     if dist.nnodes > 1 and not dist.rdzv_endpoint:
         problems.append("distributed.rdzv_endpoint: required when nnodes > 1; set it to host:port of node 0")
-    if dist.rdzv_endpoint and ":" not in dist.rdzv_endpoint:
-        problems.append(f"distributed.rdzv_endpoint: '{dist.rdzv_endpoint}' must be host:port")
+    if dist.rdzv_endpoint is not None:
+        rdzv_host, _, port = dist.rdzv_endpoint.rpartition(":")
+        if not rdzv_host or not port.isdigit() or not 0 < int(port) < 65536:
+            problems.append(f"distributed.rdzv_endpoint: '{dist.rdzv_endpoint}' must be host:port with a port "
+                            "number, e.g. node0:29500")
     if dist.node_rank >= dist.nnodes:
         problems.append(f"distributed.node_rank: {dist.node_rank} must be below nnodes ({dist.nnodes})")
 

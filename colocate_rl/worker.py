@@ -20,27 +20,28 @@ METRICS_FILE = "metrics.jsonl"
 DONE_FILE = "DONE"
 
 
-def make_metrics_callback(path: Path):
-    """A TrainerCallback that appends TRL's logged values, step, wall seconds and this rank's memory right
-    after the optimizer step (and the step's peak, on GPU) to `path`, on rank 0."""
+def make_metrics_callback(path: Path, telemetry):
+    """A TrainerCallback that drives `telemetry` at step edges and appends every log record (TRL's values,
+    telemetry, step, wall seconds) to `path` on rank 0."""
     from transformers import TrainerCallback
-
-    from colocate_rl.memory import MemoryProbe
 
     class MetricsCallback(TrainerCallback):
         def __init__(self):
             self.start = time.time()
-            self.memory = MemoryProbe()
-            self.at_step_end: dict[str, float] = {}
+            self.trainer = None  # set once the trainer exists
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.start = time.time()
+            telemetry.instrument_optimizer(self.trainer)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            telemetry.step_begin()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.at_step_end = self.memory.step_end()
+            telemetry.pending = telemetry.step_end(state.global_step)
 
         def on_train_end(self, args, state, control, **kwargs):
-            self.memory.close()
+            telemetry.close()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or not logs:
@@ -48,12 +49,28 @@ def make_metrics_callback(path: Path):
             record: dict[str, Any] = {"step": state.global_step, "max_steps": state.max_steps,
                                       "wall_s": round(time.time() - self.start, 3)}
             record.update({k: v for k, v in logs.items() if isinstance(v, (int, float, str))})
-            if "reward" in logs:
-                record.update(self.at_step_end)
             with path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
     return MetricsCallback()
+
+
+def merge_telemetry_into_logs(trainer, telemetry) -> None:
+    """Wrap `trainer.log` so each step's telemetry (and generation tokens/s) reaches every log backend."""
+    original = trainer.log
+
+    def log(logs, *args, **kwargs):
+        if telemetry.pending and "train_runtime" not in logs:
+            extra, telemetry.pending = telemetry.pending, {}
+            lengths = trainer._metrics.get("train", {}).get("completions/mean_length") or []
+            generate_s = extra.get("time/generate_s", 0.0)
+            if lengths and generate_s > 0:
+                tokens = sum(lengths) / len(lengths) * trainer.args.generation_batch_size
+                extra["gen/tokens_per_s"] = round(tokens / generate_s, 1)
+            logs = {**logs, **extra}
+        return original(logs, *args, **kwargs)
+
+    trainer.log = log
 
 
 def load_tokenizer(model_path: str, builtin: bool):
@@ -80,7 +97,10 @@ def build_trainer(run_dir: Path):
                            seed=recipe.trainer.seed)
     rewards = [resolve_reward(r.name, key=f"rewards[{i}].name") for i, r in enumerate(recipe.rewards)]
     tokenizer = load_tokenizer(launch["model_path"], recipe.model.name.startswith("builtin:"))
-    callback = make_metrics_callback(run_dir / METRICS_FILE)
+    from colocate_rl.telemetry import Telemetry
+
+    telemetry = Telemetry(run_dir)
+    callback = make_metrics_callback(run_dir / METRICS_FILE, telemetry)
 
     if recipe.algorithm == "grpo":
         from trl import GRPOConfig as Config, GRPOTrainer as Trainer
@@ -93,8 +113,15 @@ def build_trainer(run_dir: Path):
 
         deepspeed.init_distributed(dist_backend="gloo" if launch["device"] == "cpu" else "nccl")
     config = Config(**launch["trl_args"])
+    # The process group is up now (DeepSpeed or accelerate): all nodes must run the same recipe.
+    from colocate_rl.cluster import check_same_recipe
+
+    check_same_recipe(run_dir, launch)
     trainer = Trainer(model=launch["model_path"], reward_funcs=rewards, args=config, train_dataset=dataset,
                       processing_class=tokenizer, callbacks=[callback])
+    callback.trainer = trainer
+    telemetry.instrument(trainer)
+    merge_telemetry_into_logs(trainer, telemetry)
     return recipe, trainer
 
 
@@ -126,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(Path(args[0]))
     except UserError as e:
-        for line in e.lines:
-            print(f"error: {line}", file=sys.stderr)
+        for line in e.lines:  # one write per line: ranks share the pipe, lines must not interleave
+            sys.stderr.write(f"error: {line}\n")
+            sys.stderr.flush()
         return 2
     return 0
 

@@ -61,7 +61,7 @@ def test_multi_node_c10d_plan():
     assert plan.argv == [
         "/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8",
         "--node-rank", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "job42",
-        "-m", "colocate_rl.worker", "/runs/r1",
+        "--log-dir", "/runs/r1/nodes/1/ranks", "--tee", "3", "-m", "colocate_rl.worker", "/runs/r1",
     ]
     assert plan.env["OMP_NUM_THREADS"] == "16" and "DS_ACCELERATOR" not in plan.env
     assert json.loads(plan.files["launch.json"])["world_size"] == 16
@@ -70,8 +70,9 @@ def test_multi_node_c10d_plan():
 def test_multi_node_static_plan():
     plan = plan_for({"distributed": {"nnodes": 2, "node_rank": 0, "rdzv_backend": "static",
                                      "rdzv_endpoint": "10.0.0.1:29400"}}, host=GPU8)
-    assert plan.argv[3:-3] == ["--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "0",
+    assert plan.argv[3:-7] == ["--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "0",
                                "--master-addr", "10.0.0.1", "--master-port", "29400"]
+    assert plan.argv[-7:-3] == ["--log-dir", "/runs/r1/nodes/0/ranks", "--tee", "3"]
 
 
 def test_gpu_plan_turns_on_colocated_vllm():

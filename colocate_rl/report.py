@@ -1,0 +1,363 @@
+"""`colocate-rl report`: tables and PNG plots from a run directory's telemetry.
+
+Reads `metrics.jsonl` (rank 0, one record per logged step) and `timeline/rank<N>.jsonl` (memory samples, phase
+edges and step ends of each rank). Every telemetry field is optional and malformed lines are skipped (a half
+written last line is normal while a run is in progress). Raises UserError only for a RUN_DIR that is not a run
+directory, a run with no logged steps, or an --out that cannot be written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from colocate_rl.errors import UserError
+
+PHASES = ("generate", "weight_sync", "wake", "sleep", "reward", "prepare", "train", "optimizer", "other")
+COLORS = dict(zip(PHASES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+                           "tab:olive", "tab:gray")))
+MEMORY_ROWS = ([(f"end of {p}", f"mem/{p}_end_gib") for p in PHASES] + [
+    ("after optimizer step (driver)", "mem/gpu_used_gib"), ("peak during step (driver)", "mem/gpu_peak_gib"),
+    ("torch allocated", "mem/torch_allocated_gib"), ("torch reserved", "mem/torch_reserved_gib"),
+    ("RSS after optimizer step", "mem/rss_gib"), ("RSS peak during step", "mem/rss_peak_gib")])
+MAX_RANKS_SHOWN = 8
+
+
+@dataclass
+class Timeline:
+    """One rank's `timeline/rank<N>.jsonl`: memory points (t, GiB), phase edges (t, phase, edge), step ends."""
+    rank: int
+    device: str = "?"
+    t0: float = 0.0
+    points: list[tuple[float, float]] = field(default_factory=list)
+    edges: list[tuple[float, str, str]] = field(default_factory=list)
+    step_ends: list[tuple[float, float | None]] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    path: Path
+    steps: list[dict[str, Any]]  # metrics.jsonl records that carry a reward
+    timelines: list[Timeline]
+
+
+def _num(record: dict, key: str) -> float | None:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a jsonl file; malformed lines and non-objects are skipped, never raised."""
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def _read_timeline(path: Path) -> Timeline | None:
+    records = read_jsonl(path)
+    head = records[0] if records and "rank" in records[0] else {}
+    match = re.fullmatch(r"rank(\d+)\.jsonl", path.name)
+    rank = _num(head, "rank")
+    timeline = Timeline(rank=int(rank) if rank is not None else int(match.group(1)) if match else 0,
+                        device=str(head.get("device", "?")), t0=_num(head, "t0") or 0.0)
+    for r in records:
+        t, mem = _num(r, "t"), _num(r, "mem")
+        if t is None:
+            continue
+        if mem is not None:
+            timeline.points.append((t, mem))
+        if isinstance(r.get("phase"), str) and r.get("edge") in ("start", "end"):
+            timeline.edges.append((t, r["phase"], r["edge"]))
+        elif "step_end" in r:
+            timeline.step_ends.append((t, mem))
+    return timeline if timeline.points else None
+
+
+def load_run(run_dir: Path | str) -> Run:
+    """Read a run directory. Fails if it has no metrics.jsonl or no logged training step."""
+    path = Path(run_dir)
+    if not (path / "metrics.jsonl").is_file():
+        what = "does not exist" if not path.exists() else "is not a run directory (no metrics.jsonl)"
+        raise UserError(f"{path}: {what}; pass a directory written by `colocate-rl train`")
+    steps = [r for r in read_jsonl(path / "metrics.jsonl") if _num(r, "reward") is not None
+             and _num(r, "step") is not None]
+    if not steps:
+        raise UserError(f"{path / 'metrics.jsonl'}: no training step logged yet; run report again once the run "
+                        "has logged a step")
+    timelines = [t for p in sorted((path / "timeline").glob("rank*.jsonl")) if (t := _read_timeline(p))]
+    return Run(path, steps, sorted(timelines, key=lambda t: t.rank))
+
+
+def _phases(steps: list[dict]) -> list[str]:
+    found = {m.group(1) for r in steps for k in r if (m := re.fullmatch(r"time/(\w+)_s", k)) and m.group(1) != "step"}
+    return [p for p in PHASES if p in found] + sorted(found - set(PHASES))
+
+
+def time_shares(run: Run) -> dict[str, tuple[float, float]]:
+    """phase → (mean s/step, % of step time) over the steps after the first; 'step' is the total."""
+    timed = [r for r in (run.steps[1:] or run.steps) if _num(r, "time/step_s") is not None]
+    if not timed:
+        return {}
+    step = sum(r["time/step_s"] for r in timed) / len(timed)
+    shares = {}
+    for phase in _phases(timed):
+        mean = sum(_num(r, f"time/{phase}_s") or 0.0 for r in timed) / len(timed)
+        shares[phase] = (mean, 100 * mean / step if step else 0.0)
+    return {**shares, "step": (step, 100.0)}
+
+
+def memory_stats(run: Run) -> dict[str, tuple[float, float]]:
+    """label → (mean GiB, max GiB) over all logged steps, for the memory fields the run has."""
+    stats = {}
+    for label, key in MEMORY_ROWS:
+        values = [v for r in run.steps if (v := _num(r, key)) is not None]
+        if values:
+            stats[label] = (sum(values) / len(values), max(values))
+    return stats
+
+
+def run_summary(run: Run) -> dict[str, float | str]:
+    """Steps, reward first/last, median s/step, median tokens/s, telemetry overhead (% of step time)."""
+    first, last = run.steps[0], run.steps[-1]
+    out: dict[str, float | str] = {"steps": f"{int(last['step'])}/{last.get('max_steps', '?')}",
+                                   "reward (first step)": first["reward"], "reward (last step)": last["reward"]}
+    step_s = [v for r in run.steps if (v := _num(r, "time/step_s")) is not None]
+    if not step_s:  # older runs: wall time between logged steps
+        pairs = [(_num(a, "wall_s"), _num(b, "wall_s"), b["step"] - a["step"]) for a, b in zip(run.steps, run.steps[1:])]
+        step_s = [(wb - wa) / n for wa, wb, n in pairs if wa is not None and wb is not None and n > 0]
+    if step_s:
+        out["median s/step"] = statistics.median(step_s)
+    tokens = [v for r in run.steps if (v := _num(r, "gen/tokens_per_s")) is not None]
+    if tokens:
+        out["generated tokens/s (median)"] = statistics.median(tokens)
+    both = [(o, s) for r in run.steps if (o := _num(r, "telemetry/overhead_s")) is not None
+            and (s := _num(r, "time/step_s"))]
+    if both:
+        out["telemetry overhead (% of step time)"] = 100 * sum(o for o, _ in both) / sum(s for _, s in both)
+    if (wall := _num(last, "wall_s")) is not None:
+        out["wall time at last step (s)"] = wall
+    return out
+
+
+SUMMARY_FORMATS = {"reward": ".3f", "s/step": ".2f", "tokens/s": ",.0f", "overhead": ".2f", "wall": ".1f"}
+
+
+def _fmt(value: Any, spec: str, signed: bool = False) -> str:
+    if value is None or isinstance(value, str):
+        return "–" if value is None else value
+    return format(value, ("+" if signed else "") + spec)
+
+
+def _table(title: str, caption: str, first: str, cols: list[str], specs: list[str] | dict[str, str],
+           per_run: list[dict], names: list[str], diff: int = 0) -> Table:
+    """Rows = union of the runs' keys; `cols` per run (format `specs` per column, or per row label as
+    {word in label: spec}); with two runs one more column, the difference of column `diff` (second − first)."""
+    two = len(per_run) == 2
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left", min_width=len(caption))
+    table.add_column(first)
+    for n in names if two else [""]:
+        for c in cols:
+            table.add_column(f"{n}: {c}" if two and len(cols) > 1 else n or c, justify="right")
+    if two:
+        table.add_column(f"Δ{' ' + cols[diff] if len(cols) > 1 else ''} ({names[1]} − {names[0]})", justify="right")
+    for label in dict.fromkeys(k for stats in per_run for k in stats):
+        row = [s.get(label) or (None,) * len(cols) for s in per_run]
+        spec = (lambda i: specs[i]) if isinstance(specs, list) else \
+            (lambda i: next((v for k, v in specs.items() if k in label), ".3g"))
+        cells = [_fmt(v, spec(i)) for values in row for i, v in enumerate(values)]
+        if two:
+            a, b = row[0][diff], row[1][diff]
+            cells.append(_fmt(b - a, spec(diff), signed=True) if isinstance(a, float) and isinstance(b, float) else "")
+        table.add_row(label, *cells)
+    return table
+
+
+def tables(runs: list[Run]) -> list[Table]:
+    """The time-share, memory and summary tables (one column group per run, plus Δ with two runs)."""
+    names = _names(runs)
+    n = len(runs[0].steps)
+    warm = f"mean of logged steps 2–{n}; step 1 (warm-up) left out" if n > 1 else "one step logged (incl. warm-up)"
+    cpu = all(not any(k.startswith("mem/gpu") for r in run.steps for k in r) for run in runs)
+    mem_caption = "over all logged steps; " + ("process RSS (CPU run)" if cpu else "GPU driver view")
+    time, memory = [time_shares(r) for r in runs], [memory_stats(r) for r in runs]
+    return [
+        _table("time per step by phase", warm if any(time) else "no phase timing (time/*) in metrics.jsonl", "phase",
+               ["s/step", "% of step"], [".3f", ".1f"], time, names),
+        _table("memory (GiB)", mem_caption if any(memory) else "no memory fields in metrics.jsonl", "memory",
+               ["mean", "max"], [".2f", ".2f"], memory, names, diff=1),
+        _table("run summary", "", "", ["value"], SUMMARY_FORMATS,
+               [{k: (v,) for k, v in run_summary(r).items()} for r in runs], names),
+    ]
+
+
+def _names(runs: list[Run]) -> list[str]:
+    names = [r.path.name or str(r.path) for r in runs]
+    return names if len(set(names)) == len(names) else [str(r.path) for r in runs]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise UserError(f"--out {path.parent}: cannot write {path.name} ({e.strerror or e}); pass a writable directory")
+    finally:
+        _pyplot().close(fig)
+    return path
+
+
+def innermost_spans(edges: list[tuple[float, str, str]]) -> list[tuple[float, float, str]]:
+    """(start, end, phase) spans of the innermost open phase, from nested start/end edges in time order."""
+    stack: list[str] = []
+    spans, last = [], None
+    for t, phase, edge in edges:
+        if stack and last is not None and t > last:
+            spans.append((last, t, stack[-1]))
+        if edge == "start":
+            stack.append(phase)
+        elif phase in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(phase)]
+        last = t
+    return spans
+
+
+def plot_memory_timeline(runs: list[Run], path: Path) -> Path | None:
+    """Memory over time per rank (rows) and run (columns), innermost phases shaded, step ends marked."""
+    import numpy as np
+    from matplotlib.collections import PolyCollection
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    if not any(r.timelines for r in runs):
+        return None
+    plt = _pyplot()
+    rows = min(MAX_RANKS_SHOWN, max(len(r.timelines) for r in runs))
+    fig, axes = plt.subplots(rows, len(runs), sharex="col", sharey=True, squeeze=False, layout="constrained",
+                             figsize=(11 if len(runs) == 1 else 7 * len(runs), 1.9 * rows + 1.6))
+    seen: set[str] = set()
+    for col, (run, name) in enumerate(zip(runs, _names(runs))):
+        start = min((t.t0 for t in run.timelines), default=0.0)
+        shown = f"ranks 0–{rows - 1} of {len(run.timelines)}" if len(run.timelines) > rows else ""
+        axes[0][col].set_title(f"{name} {shown}" if run.timelines else f"{name}: no timeline/ in the run dir")
+        for row in range(rows):
+            ax = axes[row][col]
+            if row >= len(run.timelines):
+                ax.set_axis_off()
+                continue
+            tl = run.timelines[row]
+            shift = tl.t0 - start
+            for phase in dict.fromkeys(p for _, _, p in innermost_spans(tl.edges)):
+                verts = [[(a + shift, 0), (a + shift, 1), (b + shift, 1), (b + shift, 0)]
+                         for a, b, p in innermost_spans(tl.edges) if p == phase]
+                ax.add_collection(PolyCollection(verts, transform=ax.get_xaxis_transform(), alpha=0.3, linewidth=0,
+                                                 facecolor=COLORS.get(phase, "tab:cyan")), autolim=False)
+                seen.add(phase)
+            t, mem = np.array(tl.points).T
+            ax.plot(t + shift, mem, color="black", linewidth=1)
+            ends = [(e + shift, m if m is not None else float(np.interp(e, t, mem))) for e, m in tl.step_ends]
+            ax.plot([e for e, _ in ends], [m for _, m in ends], "v", color="crimson", markersize=6)
+            ax.set_ylabel(f"rank {tl.rank} ({tl.device})\n{'RSS' if tl.device == 'cpu' else 'GPU used'} (GiB)")
+        axes[-1][col].set_xlabel("time since start (s)")
+    handles = [Patch(color=COLORS.get(p, "tab:cyan"), alpha=0.3, label=p)
+               for p in dict.fromkeys([*PHASES, *sorted(seen)]) if p in seen]
+    handles += [Line2D([], [], color="black", label="memory"),
+                Line2D([], [], marker="v", color="crimson", linestyle="", label="optimizer step end")]
+    fig.legend(handles=handles, loc="outside right upper", fontsize="small")
+    fig.suptitle("Memory over time by rank (shading: innermost phase)")
+    return _save(fig, path)
+
+
+def plot_step_breakdown(runs: list[Run], path: Path) -> Path | None:
+    """Stacked bars of the phase seconds per step, one panel per run (shared y)."""
+    if not any(_phases(r.steps) for r in runs):
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(runs), sharey=True, squeeze=False, layout="constrained",
+                             figsize=(11 if len(runs) == 1 else 7 * len(runs), 4.6))
+    for ax, run, name in zip(axes[0], runs, _names(runs)):
+        steps = [r["step"] for r in run.steps]
+        bottom = [0.0] * len(steps)
+        for phase in _phases(run.steps):
+            secs = [_num(r, f"time/{phase}_s") or 0.0 for r in run.steps]
+            ax.bar(steps, secs, bottom=bottom, color=COLORS.get(phase, "tab:cyan"), label=phase, width=0.8)
+            bottom = [b + s for b, s in zip(bottom, secs)]
+        if not any(bottom):
+            ax.text(0.5, 0.5, "no phase timing in metrics.jsonl", ha="center", transform=ax.transAxes)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel("seconds")
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_legend_handles_labels()[0]}
+    fig.legend(handles=list(handles.values())[::-1], loc="outside right upper", fontsize="small")
+    fig.suptitle("Time per step by phase (exclusive seconds; step 1 includes warm-up)")
+    return _save(fig, path)
+
+
+def plot_reward(runs: list[Run], path: Path) -> Path:
+    """Reward per step, one panel per run (shared y)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(runs), sharey=True, squeeze=False, layout="constrained",
+                             figsize=(8 if len(runs) == 1 else 6 * len(runs), 4))
+    for ax, run, name in zip(axes[0], runs, _names(runs)):
+        ax.plot([r["step"] for r in run.steps], [r["reward"] for r in run.steps], marker="o" if len(run.steps) <= 60
+                else None, markersize=3)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("mean reward")
+    fig.suptitle("Reward per step")
+    return _save(fig, path)
+
+
+def report(run_dirs: list[Path | str], out: Path | str | None = None, console: Console | None = None) -> list[Path]:
+    """Print the tables and write the PNGs (compare_*.png for two runs) into `out` (default the first run dir).
+    Fails (UserError) on a bad run dir, a run with no logged step, or an --out that is not a writable directory."""
+    console = console or Console()
+    if not 1 <= len(run_dirs) <= 2:
+        raise UserError(f"report: got {len(run_dirs)} run directories; pass one, or two to compare them")
+    runs = [load_run(d) for d in run_dirs]
+    target = Path(out) if out is not None else runs[0].path
+    if target.exists() and not target.is_dir():
+        raise UserError(f"--out {target}: is a file; pass a directory")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {target}: cannot create it ({e.strerror or e}); pass a writable directory")
+    for table in tables(runs):
+        console.print(table)
+    prefix = "compare_" if len(runs) == 2 else ""
+    written, missing = [], []
+    for kind, plot in (("memory_timeline", plot_memory_timeline), ("step_breakdown", plot_step_breakdown),
+                       ("reward", plot_reward)):
+        path = plot(runs, target / f"{prefix}{kind}.png")
+        (written.append(path) if path else missing.append(kind))
+    for path in written:
+        console.print(f"wrote {path}", highlight=False)
+    if "memory_timeline" in missing:
+        console.print("note: no timeline/rank*.jsonl with memory samples; memory_timeline.png not written")
+    if "step_breakdown" in missing:
+        console.print("note: no phase timing (time/*_s) in metrics.jsonl; step_breakdown.png not written")
+    return written
