@@ -248,7 +248,7 @@ def env() -> None:
 @app.command()
 @_guarded
 def report(
-    run_dirs: Annotated[list[Path], typer.Argument(metavar="RUN_DIR [RUN_DIR2]", show_default=False,
+    run_dirs: Annotated[list[Path], typer.Argument(metavar="RUN_DIR", show_default=False,
                                                    help="Run directory written by `colocate-rl train`; give two to "
                                                         "compare them (e.g. sleep mode on vs off).")],
     out: Annotated[Optional[Path], typer.Option("--out", help="Directory for the PNGs (default the first RUN_DIR).")] = None,

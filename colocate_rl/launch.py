@@ -160,13 +160,30 @@ def worker_errors(log: str) -> list[str]:
     return list(dict.fromkeys(line.strip() for line in found))
 
 
+SHORT_PHASES = {"generate": "gen", "weight_sync": "sync", "wake": "wake", "sleep": "sleep", "reward": "reward",
+                "prepare": "prep", "train": "train", "optimizer": "opt"}
+
+
+def phase_summary(record: dict[str, Any]) -> str:
+    """`gen 0.61s sync 0.10s train 0.30s opt 0.05s | GPU 14.5 GiB (peak 41.5)` from one metrics record."""
+    phases = [f"{short} {record[f'time/{name}_s']:.2f}s" for name, short in SHORT_PHASES.items()
+              if record.get(f"time/{name}_s", 0) >= 0.005]
+    text = " ".join(phases)
+    if "mem/gpu_used_gib" in record:
+        text += f" | GPU {record['mem/gpu_used_gib']:.1f} GiB (peak {record.get('mem/gpu_peak_gib', 0):.1f})"
+    elif "mem/rss_gib" in record:
+        text += f" | RSS {record['mem/rss_gib']:.2f} GiB"
+    return text
+
+
 def _step_line(record: dict[str, Any]) -> str:
     parts = [f"step {record['step']}/{record.get('max_steps', '?')}"]
     for key in ("reward", "loss"):
         if isinstance(record.get(key), (int, float)):
             parts.append(f"{key} {record[key]:.4f}")
     parts.append(f"{record['wall_s']:.1f}s")
-    return "  ".join(parts)
+    breakdown = phase_summary(record)
+    return "  ".join(parts) + (f"  [{breakdown}]" if breakdown else "")
 
 
 class _Supervisor:
@@ -237,8 +254,7 @@ def execute(plan: LaunchPlan, console: Console, verbose: bool = False) -> int:
             if "reward" not in record:
                 continue
             if progress is not None:
-                status = f"reward {record['reward']:.3f}" + (
-                    f"  loss {record['loss']:.4f}" if isinstance(record.get("loss"), float) else "")
+                status = f"reward {record['reward']:.3f}  {phase_summary(record)}"
                 progress.update(task, completed=record["step"], total=record.get("max_steps"), status=status)
             else:
                 console.out(_step_line(record), highlight=False)

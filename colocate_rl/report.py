@@ -211,13 +211,15 @@ def _names(runs: list[Run]) -> list[str]:
     return names if len(set(names)) == len(names) else [str(r.path) for r in runs]
 
 
-def _pyplot():
+def _panels(runs: list[Run], rows: int = 1, height: float = 4.0, width: float = 7.0):
+    """A figure with `rows` × one column per run (shared y), Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
+    return plt.subplots(rows, len(runs), sharex="col", sharey=True, squeeze=False, layout="constrained",
+                        figsize=(11 if len(runs) == 1 else width * len(runs), height))
 
 
 def _save(fig, path: Path) -> Path:
@@ -226,7 +228,9 @@ def _save(fig, path: Path) -> Path:
     except OSError as e:
         raise UserError(f"--out {path.parent}: cannot write {path.name} ({e.strerror or e}); pass a writable directory")
     finally:
-        _pyplot().close(fig)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
     return path
 
 
@@ -254,10 +258,8 @@ def plot_memory_timeline(runs: list[Run], path: Path) -> Path | None:
 
     if not any(r.timelines for r in runs):
         return None
-    plt = _pyplot()
     rows = min(MAX_RANKS_SHOWN, max(len(r.timelines) for r in runs))
-    fig, axes = plt.subplots(rows, len(runs), sharex="col", sharey=True, squeeze=False, layout="constrained",
-                             figsize=(11 if len(runs) == 1 else 7 * len(runs), 1.9 * rows + 1.6))
+    fig, axes = _panels(runs, rows, height=1.9 * rows + 1.6)
     seen: set[str] = set()
     for col, (run, name) in enumerate(zip(runs, _names(runs))):
         start = min((t.t0 for t in run.timelines), default=0.0)
@@ -270,9 +272,10 @@ def plot_memory_timeline(runs: list[Run], path: Path) -> Path | None:
                 continue
             tl = run.timelines[row]
             shift = tl.t0 - start
-            for phase in dict.fromkeys(p for _, _, p in innermost_spans(tl.edges)):
-                verts = [[(a + shift, 0), (a + shift, 1), (b + shift, 1), (b + shift, 0)]
-                         for a, b, p in innermost_spans(tl.edges) if p == phase]
+            spans = innermost_spans(tl.edges)
+            for phase in dict.fromkeys(p for _, _, p in spans):
+                verts = [[(a + shift, 0), (a + shift, 1), (b + shift, 1), (b + shift, 0)] for a, b, p in spans
+                         if p == phase]
                 ax.add_collection(PolyCollection(verts, transform=ax.get_xaxis_transform(), alpha=0.3, linewidth=0,
                                                  facecolor=COLORS.get(phase, "tab:cyan")), autolim=False)
                 seen.add(phase)
@@ -281,7 +284,7 @@ def plot_memory_timeline(runs: list[Run], path: Path) -> Path | None:
             ends = [(e + shift, m if m is not None else float(np.interp(e, t, mem))) for e, m in tl.step_ends]
             ax.plot([e for e, _ in ends], [m for _, m in ends], "v", color="crimson", markersize=6)
             ax.set_ylabel(f"rank {tl.rank} ({tl.device})\n{'RSS' if tl.device == 'cpu' else 'GPU used'} (GiB)")
-        axes[-1][col].set_xlabel("time since start (s)")
+        axes[max(min(rows, len(run.timelines)) - 1, 0)][col].set_xlabel("time since start (s)")
     handles = [Patch(color=COLORS.get(p, "tab:cyan"), alpha=0.3, label=p)
                for p in dict.fromkeys([*PHASES, *sorted(seen)]) if p in seen]
     handles += [Line2D([], [], color="black", label="memory"),
@@ -295,9 +298,7 @@ def plot_step_breakdown(runs: list[Run], path: Path) -> Path | None:
     """Stacked bars of the phase seconds per step, one panel per run (shared y)."""
     if not any(_phases(r.steps) for r in runs):
         return None
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(runs), sharey=True, squeeze=False, layout="constrained",
-                             figsize=(11 if len(runs) == 1 else 7 * len(runs), 4.6))
+    fig, axes = _panels(runs, height=4.6)
     for ax, run, name in zip(axes[0], runs, _names(runs)):
         steps = [r["step"] for r in run.steps]
         bottom = [0.0] * len(steps)
@@ -318,9 +319,7 @@ def plot_step_breakdown(runs: list[Run], path: Path) -> Path | None:
 
 def plot_reward(runs: list[Run], path: Path) -> Path:
     """Reward per step, one panel per run (shared y)."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(runs), sharey=True, squeeze=False, layout="constrained",
-                             figsize=(8 if len(runs) == 1 else 6 * len(runs), 4))
+    fig, axes = _panels(runs, width=6.0)
     for ax, run, name in zip(axes[0], runs, _names(runs)):
         ax.plot([r["step"] for r in run.steps], [r["reward"] for r in run.steps], marker="o" if len(run.steps) <= 60
                 else None, markersize=3)
@@ -337,7 +336,7 @@ def report(run_dirs: list[Path | str], out: Path | str | None = None, console: C
     Fails (UserError) on a bad run dir, a run with no logged step, or an --out that is not a writable directory."""
     console = console or Console()
     if not 1 <= len(run_dirs) <= 2:
-        raise UserError(f"report: got {len(run_dirs)} run directories; pass one, or two to compare them")
+        raise UserError(f"RUN_DIR: got {len(run_dirs)} run directories; pass one, or two to compare them")
     runs = [load_run(d) for d in run_dirs]
     target = Path(out) if out is not None else runs[0].path
     if target.exists() and not target.is_dir():
@@ -348,16 +347,12 @@ def report(run_dirs: list[Path | str], out: Path | str | None = None, console: C
         raise UserError(f"--out {target}: cannot create it ({e.strerror or e}); pass a writable directory")
     for table in tables(runs):
         console.print(table)
-    prefix = "compare_" if len(runs) == 2 else ""
-    written, missing = [], []
-    for kind, plot in (("memory_timeline", plot_memory_timeline), ("step_breakdown", plot_step_breakdown),
-                       ("reward", plot_reward)):
-        path = plot(runs, target / f"{prefix}{kind}.png")
-        (written.append(path) if path else missing.append(kind))
-    for path in written:
-        console.print(f"wrote {path}", highlight=False)
-    if "memory_timeline" in missing:
-        console.print("note: no timeline/rank*.jsonl with memory samples; memory_timeline.png not written")
-    if "step_breakdown" in missing:
-        console.print("note: no phase timing (time/*_s) in metrics.jsonl; step_breakdown.png not written")
+    written = []
+    for name, plot, why in (("memory_timeline", plot_memory_timeline, "no timeline/rank*.jsonl with memory samples"),
+                            ("step_breakdown", plot_step_breakdown, "no phase timing (time/*_s) in metrics.jsonl"),
+                            ("reward", plot_reward, "")):
+        name = ("compare_" if len(runs) == 2 else "") + name + ".png"
+        path = plot(runs, target / name)
+        written += [path] if path else []
+        console.print(f"wrote {path}" if path else f"note: {why}; {name} not written", highlight=False)
     return written

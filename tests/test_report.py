@@ -71,3 +71,186 @@ def make_run(path: Path, *, gpu: bool = True, steps: int = 6, ranks: int = 2, sl
         for r, rank_lines in lines.items():
             (path / "timeline" / f"rank{r}.jsonl").write_text("\n".join(rank_lines) + "\n")
     return path
+
+
+def make_old_run(path: Path) -> Path:
+    """A run from before telemetry: only step, reward, loss, wall_s; no timeline/."""
+    path.mkdir(parents=True)
+    lines = [json.dumps({"step": s, "max_steps": 4, "reward": 0.2 * s, "loss": 0.1, "wall_s": 3.0 * s})
+             for s in range(1, 5)]
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "colocate_rl", "report", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "COLUMNS": "200"}, timeout=120)
+
+
+def assert_user_error(result, *fragments):
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr
+
+
+def rendered(tables) -> str:
+    console = Console(record=True, width=250)
+    for table in tables:
+        console.print(table)
+    return console.export_text()
+
+
+def drawn(path: Path) -> float:
+    """Share of the PNG's pixels that are not background white (0 for an empty figure)."""
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(path)[..., :3]
+    assert pixels.std() > 0.05
+    return float((pixels.min(axis=-1) < 0.9).mean())
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures the plot functions save, kept open to inspect their artists."""
+    saved = {}
+    monkeypatch.setattr(rep, "_save", lambda fig, path: saved.setdefault(path.name, fig) and path)
+    return saved
+
+
+def test_time_shares_leave_out_the_warm_up_step(tmp_path):
+    shares = rep.time_shares(rep.load_run(make_run(tmp_path / "run")))
+    # steps 2-6 each: generate 2.0 + wake 0.2 + weight_sync 0.3 + sleep 0.2 + reward 0.1 + prepare 0.2 + train 1.0
+    # + optimizer 0.5 + other 0.1 = 4.6 s (step 1 has generate 5.0 and is left out)
+    assert shares["step"] == pytest.approx((4.6, 100.0))
+    assert shares["generate"] == pytest.approx((2.0, 100 * 2.0 / 4.6))
+    assert shares["optimizer"] == pytest.approx((0.5, 100 * 0.5 / 4.6))
+    assert list(shares) == ["generate", "weight_sync", "wake", "sleep", "reward", "prepare", "train", "optimizer",
+                            "other", "step"]
+    assert sum(s for p, (s, _) in shares.items() if p != "step") == pytest.approx(4.6)
+
+
+def test_memory_and_summary_gpu(tmp_path):
+    run = rep.load_run(make_run(tmp_path / "run"))
+    memory = rep.memory_stats(run)
+    assert memory["end of sleep"] == (22.0, 22.0) and memory["end of generate"] == (75.0, 75.0)
+    assert memory["peak during step (driver)"] == pytest.approx((78.5, 81.0))  # 75 + step, steps 1..6
+    assert not any(label.startswith("RSS") for label in memory)
+    summary = rep.run_summary(run)
+    assert summary["steps"] == "6/6"
+    assert (summary["reward (first step)"], summary["reward (last step)"]) == pytest.approx((0.1, 0.6))
+    assert summary["median s/step"] == pytest.approx(4.6)
+    assert summary["generated tokens/s (median)"] == pytest.approx(1003.5)
+    assert summary["telemetry overhead (% of step time)"] == pytest.approx(100 * 6 * 0.046 / (7.6 + 5 * 4.6))
+    assert [t.rank for t in run.timelines] == [0, 1] and run.timelines[1].device == "cuda:1"
+
+
+def test_cpu_run_has_rss_only(tmp_path):
+    run = rep.load_run(make_run(tmp_path / "cpu", gpu=False))
+    assert rep.memory_stats(run) == {"RSS after optimizer step": (1.3, 1.3), "RSS peak during step": (1.8, 1.8)}
+    assert set(rep.time_shares(run)) == {"generate", "reward", "train", "optimizer", "other", "step"}
+    assert rep.time_shares(run)["generate"] == pytest.approx((1.5, 50.0))  # 1.5 of 3.0 s
+    assert "process RSS (CPU run)" in rendered(rep.tables([run]))
+
+
+def test_innermost_spans_of_nested_phases():
+    edges = [(0, "generate", "start"), (0, "wake", "start"), (1, "wake", "end"), (3, "sleep", "start"),
+             (4, "sleep", "end"), (4, "generate", "end"), (5, "optimizer", "start"), (6, "optimizer", "end")]
+    assert rep.innermost_spans(edges) == [(0, 1, "wake"), (1, 3, "generate"), (3, 4, "sleep"),
+                                          (5, 6, "optimizer")]
+
+
+def test_memory_timeline_draws_every_rank_phases_and_step_ends(tmp_path, figures):
+    run = rep.load_run(make_run(tmp_path / "run"))
+    rep.plot_memory_timeline([run], tmp_path / "memory_timeline.png")
+    axes = figures["memory_timeline.png"].axes
+    assert len(axes) == 2 and axes[1].get_ylabel() == "rank 1 (cuda:1)\nGPU used (GiB)"
+    memory, ends = axes[0].lines
+    assert len(memory.get_xdata()) == len(run.timelines[0].points) and min(memory.get_ydata()) == 21.0
+    assert list(ends.get_ydata()) == [21.0] * 6  # the step-end records' own memory
+    assert len(axes[0].collections) == 8  # one shaded collection per phase that has edges ('other' has none)
+    labels = [t.get_text() for t in figures["memory_timeline.png"].legends[0].get_texts()]
+    assert labels[:4] == ["generate", "weight_sync", "wake", "sleep"] and "optimizer step end" in labels
+
+
+def test_report_writes_pngs_with_drawn_data(tmp_path):
+    run_dir = make_run(tmp_path / "run")
+    written = rep.report([run_dir], console=Console(file=open(os.devnull, "w")))
+    assert [p.name for p in written] == ["memory_timeline.png", "step_breakdown.png", "reward.png"]
+    for path in written:
+        assert path.parent == run_dir and path.stat().st_size > 10_000
+        assert drawn(path) > 0.02
+
+
+def test_two_runs_compare(tmp_path, figures):
+    on, off = make_run(tmp_path / "sleep-on"), make_run(tmp_path / "sleep-off", sleep=False)
+    text = rendered(rep.tables([rep.load_run(on), rep.load_run(off)]))
+    assert "sleep-on: s/step" in text and "Δ s/step (sleep-off − sleep-on)" in text
+    step_row = next(line for line in text.splitlines() if line.startswith("│ step "))
+    assert "4.600" in step_row and "4.200" in step_row and "-0.400" in step_row
+    sleep_row = next(line for line in text.splitlines() if "│ end of sleep " in line)
+    assert "22.00" in sleep_row and "–" in sleep_row  # the run without sleep mode has no sleep phase
+    after = next(line for line in text.splitlines() if "after optimizer step" in line)
+    assert "+51.00" in after  # 72 GiB held by vLLM without sleep vs 21 GiB with it
+    written = rep.report([on, off], out=tmp_path / "cmp", console=Console(file=open(os.devnull, "w")))
+    assert [p.name for p in written] == ["compare_memory_timeline.png", "compare_step_breakdown.png",
+                                         "compare_reward.png"]
+    timeline = figures["compare_memory_timeline.png"]
+    assert len(timeline.axes) == 4 and timeline.axes[0].get_ylim() == timeline.axes[1].get_ylim()
+    bars = figures["compare_step_breakdown.png"].axes
+    assert [ax.get_title() for ax in bars] == ["sleep-on", "sleep-off"] and bars[0].get_ylim() == bars[1].get_ylim()
+
+
+def test_cli_report_and_compare(tmp_path):
+    on, off = make_run(tmp_path / "on"), make_run(tmp_path / "off", sleep=False)
+    result = cli(on)
+    assert result.returncode == 0, result.stderr
+    assert "time per step by phase" in result.stdout and "step 1 (warm-up) left out" in result.stdout
+    assert f"wrote {on / 'memory_timeline.png'}" in result.stdout
+    result = cli(on, off, "--out", tmp_path / "cmp")
+    assert result.returncode == 0, result.stderr
+    for kind in ("memory_timeline", "step_breakdown", "reward"):
+        assert drawn(tmp_path / "cmp" / f"compare_{kind}.png") > 0.02
+
+
+def test_malformed_lines_are_skipped(tmp_path):
+    run_dir = make_run(tmp_path / "run", steps=3)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('[1, 2]\n{"step": 4, "reward": "high"}\n{"step": 4, "max_steps": 3, "rew')  # half-written last line
+    with open(run_dir / "timeline" / "rank0.jsonl", "a") as f:
+        f.write('{"t": "soon", "mem": 3}\n\x00garbage\n{"t": 99.0, "mem": null}\n{"t": 99.5, "me')
+    run = rep.load_run(run_dir)
+    assert [r["step"] for r in run.steps] == [1, 2, 3]
+    result = cli(run_dir)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_old_run_without_telemetry(tmp_path):
+    run_dir = make_old_run(tmp_path / "old")
+    result = cli(run_dir)
+    assert result.returncode == 0, result.stderr
+    assert "reward.png" in result.stdout and "memory_timeline.png not written" in result.stdout
+    assert not (run_dir / "step_breakdown.png").exists()
+    assert rep.run_summary(rep.load_run(run_dir))["median s/step"] == 3.0  # from wall_s
+
+
+def test_errors(tmp_path):
+    assert_user_error(cli(tmp_path / "missing"), "missing: does not exist", "colocate-rl train")
+    assert_user_error(cli(tmp_path), "no metrics.jsonl", "colocate-rl train")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text('{"step": 0, "wall_s": 1.0, "train_runtime": 1.0}\n{"st')
+    assert_user_error(cli(tmp_path / "empty"), "no training step logged yet")
+    run_dir = make_old_run(tmp_path / "old")
+    assert_user_error(cli(run_dir, run_dir, run_dir), "pass one, or two")
+    assert_user_error(cli(run_dir, "--out", run_dir / "metrics.jsonl"), "is a file; pass a directory")
+    with pytest.raises(UserError):
+        rep.load_run(tmp_path / "empty")
+
+
+def test_cli_import_stays_light():
+    probe = subprocess.run([sys.executable, "-c", "import sys, colocate_rl.cli; print(sorted(m for m in "
+                            "('matplotlib', 'numpy', 'colocate_rl.report') if m in sys.modules))"],
+                           capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "[]"
