@@ -52,6 +52,7 @@ class Telemetry:
         self.run_dir, self.interval_s = Path(run_dir), interval_s
         self.cuda = False
         self.handle = None
+        self._process = None  # psutil.Process, made on first CPU read
         self.t0 = time.time()
         self._lines: list[str] = []
         self._file = None
@@ -61,6 +62,7 @@ class Telemetry:
         self._step_start = self._mark
         self._exclusive: dict[str, float] = defaultdict(float)
         self._phase_end_mem: dict[str, float] = {}
+        self._phase_end_torch: dict[str, float] = {}
         self._peak = 0.0
         self._overhead = 0.0
         self.pending: dict[str, Any] = {}
@@ -75,9 +77,11 @@ class Telemetry:
 
                 return pynvml.nvmlDeviceGetMemoryInfo(self.handle).used / GIB
             if not self.cuda:
-                import psutil
+                if self._process is None:
+                    import psutil
 
-                return psutil.Process().memory_info().rss / GIB
+                    self._process = psutil.Process()
+                return self._process.memory_info().rss / GIB
         except Exception:
             return None
         return None
@@ -123,6 +127,10 @@ class Telemetry:
             mem = self._record(phase=name, edge="end")
             if mem is not None:
                 self._phase_end_mem[name] = mem
+            if self.cuda:
+                import torch
+
+                self._phase_end_torch[name] = torch.cuda.memory_allocated() / GIB
             self._overhead += time.perf_counter() - end
 
     def wrap(self, obj: Any, attr: str, name: str) -> None:
@@ -188,6 +196,7 @@ class Telemetry:
             metrics["mem/gpu_used_gib"] = round(mem, 3) if mem is not None else None
             metrics["mem/gpu_peak_gib"] = round(self._peak, 3)
             metrics.update({f"mem/{k}_end_gib": round(v, 3) for k, v in self._phase_end_mem.items()})
+            metrics.update({f"mem/{k}_end_torch_gib": round(v, 3) for k, v in self._phase_end_torch.items()})
             metrics["mem/torch_allocated_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
             metrics["mem/torch_reserved_gib"] = round(torch.cuda.memory_reserved() / GIB, 3)
         elif mem is not None:
@@ -195,6 +204,7 @@ class Telemetry:
             metrics["mem/rss_peak_gib"] = round(self._peak, 3)
         self._peak = mem or 0.0
         self._phase_end_mem.clear()
+        self._phase_end_torch.clear()
         if self._file is not None:
             lines, self._lines = self._lines, []
             self._file.write("\n".join(lines) + "\n")

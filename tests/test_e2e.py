@@ -53,6 +53,13 @@ def test_quickstart_zero3_two_ranks_learns(tmp_path):
         assert sum(1 for x in lines if "step_end" in x) == 40
         assert {x["phase"] for x in lines if "phase" in x} >= {"generate", "train", "optimizer", "reward"}
         assert sum(1 for x in lines if set(x) == {"t", "mem"}) > 20  # the ~10 Hz sampler
+    # the report of the real run: tables on stdout, non-empty PNGs in the run directory
+    report = subprocess.run([sys.executable, "-m", "colocate_rl", "report", str(run_dir)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert report.returncode == 0, report.stderr
+    assert "time per step by phase" in report.stdout and "generate" in report.stdout
+    for name in ("memory_timeline.png", "step_breakdown.png", "reward.png"):
+        assert (run_dir / name).stat().st_size > 10_000
     assert "reward first → last" in result.stdout
     # launch.sh replays the same launch by hand
     assert (run_dir / "launch.sh").read_text().splitlines()[-1].startswith("exec ")

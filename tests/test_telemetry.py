@@ -16,17 +16,18 @@ def test_nested_phases_are_exclusive_and_add_up_to_the_step(tmp_path):
     with tel.phase("generate"):
         time.sleep(0.05)
         with tel.phase("wake"):
-            time.sleep(0.03)
+            time.sleep(0.2)
     with tel.phase("train"):
         time.sleep(0.02)
     metrics = tel.step_end(1)
-    assert metrics["time/generate_s"] == pytest.approx(0.05, abs=0.015)
-    assert metrics["time/wake_s"] == pytest.approx(0.03, abs=0.015)
-    assert metrics["time/train_s"] == pytest.approx(0.02, abs=0.015)
+    # exclusive: the 0.2 s spent in the nested wake is not charged to generate (lower bounds are exact,
+    # upper bounds generous because a loaded machine oversleeps)
+    assert 0.05 <= metrics["time/generate_s"] < 0.2
+    assert metrics["time/wake_s"] >= 0.2 and metrics["time/train_s"] >= 0.02
     parts = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
     assert parts == pytest.approx(metrics["time/step_s"], abs=0.002)
     assert metrics["mem/rss_gib"] > 0 and metrics["mem/rss_peak_gib"] >= metrics["mem/rss_gib"]
-    assert 0 < metrics["telemetry/overhead_s"] < 0.01
+    assert 0 < metrics["telemetry/overhead_s"] < 0.05  # ~2 ms measured; generous for loaded CI machines
 
 
 def test_wrap_times_a_method_and_keeps_its_result(tmp_path):
