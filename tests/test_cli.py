@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from colocate_rl.shipped import shipped_recipes
+from conftest import assert_user_error
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,14 +19,6 @@ def cli(*args, cwd=None, env=None):
     return subprocess.run([sys.executable, "-m", "colocate_rl", *args], capture_output=True, text=True,
                           cwd=cwd or ROOT, env={**os.environ, "COLUMNS": "200", **(env or {})}, timeout=120)
 
-
-def assert_user_error(result, *fragments):
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines and all(line.startswith("error: ") for line in lines), result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr
 
 
 def test_help_is_fast():

@@ -28,6 +28,7 @@ from colocate_rl.launch import check_run_dir_free, worker_errors, write_run_dir
 from colocate_rl.plan import make_plan
 from colocate_rl.recipe import parse_recipe
 from colocate_rl.resolve import resolve
+from conftest import assert_user_error
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -48,14 +49,6 @@ def cli(*args, env=None, cwd=ROOT, timeout=120):
     return subprocess.run([sys.executable, "-m", "colocate_rl", *args], capture_output=True, text=True, cwd=cwd,
                           env=clean_env(**(env or {})), timeout=timeout)
 
-
-def assert_user_error(result, *fragments):
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines and all(line.startswith("error: ") for line in lines), result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, result.stderr
 
 
 def resolved_for(distributed=None, host=CPU, **sections):
