@@ -86,8 +86,10 @@ def load_tokenizer(model_path: str, builtin: bool):
 
 def build_trainer(run_dir: Path):
     """Construct the TRL trainer for this rank from the run directory's files."""
+    from colocate_rl.cluster import check_same_recipe
     from colocate_rl.recipe import load_recipe
     from colocate_rl.tasks import load_prompts, resolve_reward
+    from colocate_rl.telemetry import Telemetry
 
     recipe = load_recipe(run_dir / "recipe.yaml")
     launch = json.loads((run_dir / "launch.json").read_text())
@@ -97,8 +99,6 @@ def build_trainer(run_dir: Path):
                            seed=recipe.trainer.seed)
     rewards = [resolve_reward(r.name, key=f"rewards[{i}].name") for i, r in enumerate(recipe.rewards)]
     tokenizer = load_tokenizer(launch["model_path"], recipe.model.name.startswith("builtin:"))
-    from colocate_rl.telemetry import Telemetry
-
     telemetry = Telemetry(run_dir)
     callback = make_metrics_callback(run_dir / METRICS_FILE, telemetry)
 
@@ -114,8 +114,6 @@ def build_trainer(run_dir: Path):
         deepspeed.init_distributed(dist_backend="gloo" if launch["device"] == "cpu" else "nccl")
     config = Config(**launch["trl_args"])
     # The process group is up now (DeepSpeed or accelerate): all nodes must run the same recipe.
-    from colocate_rl.cluster import check_same_recipe
-
     check_same_recipe(run_dir, launch)
     trainer = Trainer(model=launch["model_path"], reward_funcs=rewards, args=config, train_dataset=dataset,
                       processing_class=tokenizer, callbacks=[callback])
