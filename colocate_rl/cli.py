@@ -259,6 +259,119 @@ def report(
     write_report(run_dirs, out, console)
 
 
+def _mem_probe_lines(rec) -> list[str]:
+    """What `mem-probe --estimate` prints under its table: layout, batch, window, verdict, recommendation."""
+    import json
+
+    from colocate_rl.estimate import CHANGES, MARGIN, PHASES, VLLM_ALLOWANCE_GIB, zero_of
+
+    b, lay, kv, G = rec.base, rec.base.layout, rec.base.kv, rec.base.gpu_gib
+    r, stage = b.resolved.recipe, zero_of(b.resolved)[1]
+    lines = [f"model {r.model.name}: {lay.params:,} params (hidden {lay.hidden}, {lay.layers} layers, {lay.heads} "
+             f"heads / {lay.kv_heads} KV heads, vocab {lay.vocab:,}); {r.distributed.nnodes} node(s) × "
+             f"{b.resolved.nproc_per_node} GPU(s) of {G:.1f} GiB; {'DDP' if stage is None else f'ZeRO-{stage}'}; "
+             f"vLLM TP {r.generation.tensor_parallel_size}",
+             f"generation batch: {kv['sequences']} sequences per vLLM engine × {kv['tokens']} tokens (prompt ≤ "
+             f"{kv['prompt_tokens']} + completion {kv['completion_tokens']}), KV {kv['bytes_per_token']:,} B/token → "
+             f"{kv['gib']:.2f} GiB; the recipe's share ({b.util}) holds {b.max_seqs(b.util):,} such sequences",
+             f"window for generation.vllm_gpu_memory_utilization: {b.lower:.3f} (vLLM weights + KV + "
+             f"{VLLM_ALLOWANCE_GIB:g} GiB allowance = {b.need_gib:.2f} GiB) to {b.upper:.3f} (what the trainer's "
+             f"{b.fixed[b.upper_phase]:.2f} GiB leave during {b.upper_phase})"]
+    where = "below the window" if b.util < b.lower else "above the window" if b.util > b.upper else "in the window"
+    phase, peak = b.peak()
+    lines.append(f"recipe as written (share {b.util}, {where}): peak {peak:.2f} GiB of {G:.1f} in {phase}")
+    if not b.asleep_fits:
+        p = max((p for p in PHASES if p not in b.awake), key=b.fixed.__getitem__)
+        lines.append(f"does not fit: {p} needs {b.fixed[p]:.2f} GiB while vLLM sleeps; {G * (1 - MARGIN):.1f} GiB "
+                     f"usable ({MARGIN:.0%} kept free)")
+    elif not b.fits:
+        lines.append(f"does not fit: vLLM needs a share of {b.lower:.3f} + {MARGIN:.0%}, the trainer leaves "
+                     f"{b.upper:.3f} − {MARGIN:.0%}")
+    f = rec.final
+    if f is None:
+        return lines + [f"no change tried makes it fit ({', '.join(CHANGES)}); use more GPUs or a smaller model"]
+    if rec.applied:
+        sets = " ".join(f"--set {k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in rec.changes.items())
+        lines.append(f"{'change' if b.fits else 'cheapest change that fits'}: {' + '.join(rec.applied)} ({sets})")
+    _, _, off_opt, off_par = zero_of(f.resolved)
+    phase, peak = f.peak(f.chosen)
+    lines.append(f"recommended: generation.vllm_gpu_memory_utilization {f.chosen:.2f} (lower bound + {MARGIN:.0%} "
+                 f"of the GPU); sleep mode {'on' if f.resolved.recipe.generation.sleep_mode else 'off'}; optimizer "
+                 f"offload {'on' if off_opt else 'off'}; param offload {'on' if off_par else 'off'} → peak "
+                 f"{peak:.2f} GiB of {G:.1f} in {phase}; KV room for {f.max_seqs(f.chosen):,} sequences (a batch is "
+                 f"{f.kv['sequences']})")
+    return lines + [f"note: {n}" for n in b.notes + rec.notes]
+
+
+@app.command("mem-probe")
+@_guarded
+def mem_probe(
+    recipe: RecipeArg,
+    estimate: Annotated[bool, typer.Option("--estimate", help="Compute from the model layout and the recipe "
+                                           "(no GPU needed).")] = False,
+    set_: SetOpt = None,
+    gpus: GpusOpt = None,
+    gpu_memory: Annotated[Optional[float], typer.Option("--gpu-memory", metavar="GIB", min=1, help="Memory of one "
+                                                        "GPU in GiB (default: the detected GPU's).")] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option("--prompt-tokens", min=1, help="Prompt length in tokens "
+                                                         "(default: max_model_length − max_completion_length, "
+                                                         "else 512).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (terms, phases, window, "
+                                           "recommendation).")] = False,
+    write: Annotated[Optional[Path], typer.Option("--write", metavar="OUT.yaml", help="Write a copy of the recipe "
+                                                  "with the recommended values.")] = None,
+) -> None:
+    """GPU memory per rank and phase (generation, weight sync, training, optimizer step) and the vLLM share to set."""
+    import json
+
+    import yaml
+
+    from colocate_rl.estimate import PHASES, recommend, to_json
+    from colocate_rl.host import detect_host
+    from colocate_rl.recipe import apply_overrides, load_recipe, read_yaml
+
+    host = detect_host()
+    if not estimate:
+        if not host.gpus:
+            raise UserError("mem-probe: measuring needs a GPU; run with --estimate")
+        raise UserError("mem-probe: measuring on the GPU is not implemented yet; run with --estimate")
+    if write is not None and write.exists():
+        raise UserError(f"--write: {write} already exists; choose another file name")
+    gib = gpu_memory or (host.gpus[0].memory_gib if host.gpus else None)
+    if gib is None:
+        raise UserError("--gpu-memory: no GPU detected here; give the memory of one GPU in GiB, e.g. --gpu-memory 80")
+    path = _recipe_path(recipe)
+    if gpus is None and not host.gpus:  # plan for the recipe's ranks per node
+        gpus = load_recipe(path, set_).distributed.nproc_per_node
+        if gpus == "auto":
+            raise UserError("--gpus: no GPU detected here and distributed.nproc_per_node is auto; pass --gpus N to "
+                            "plan for N GPUs per node")
+    as_sets = lambda changes: [*(set_ or []), *(f"{k}={json.dumps(v)}" for k, v in changes.items())]  # noqa: E731
+    rec = recommend(lambda changes: _resolve(recipe, as_sets(changes), gpus)[0], gib, prompt_tokens)
+    if json_out:
+        print(json.dumps(to_json(rec)))
+    else:
+        table = Table(title=f"estimated memory per GPU (GiB), vLLM share {rec.base.util} of {gib:.1f} GiB, sleep mode "
+                            f"{'on' if rec.base.resolved.recipe.generation.sleep_mode else 'off'}")
+        table.add_column("term")
+        for phase in PHASES:
+            table.add_column(phase, justify="right")
+        for term, row in rec.base.terms.items():
+            table.add_row(term, *(f"{row[p]:.2f}" if p in row else "" for p in PHASES))
+        table.add_row("total", *(f"{rec.base.total(p):.2f}" for p in PHASES), style="bold")
+        console.print(table)
+        for line in _mem_probe_lines(rec):
+            console.print(line, highlight=False, soft_wrap=True)
+    if write is not None:
+        if rec.final is None:
+            raise UserError("--write: no change tried makes the recipe fit; nothing written")
+        data = apply_overrides(read_yaml(path), as_sets(rec.changes))
+        changed = ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in rec.changes.items())
+        write.write_text(f"# {recipe} with the values of `colocate-rl mem-probe --estimate` ({changed})\n"
+                         + yaml.safe_dump(data, sort_keys=False))
+        (err_console if json_out else console).print(f"wrote {write}", highlight=False)
+
+
 def main() -> None:
     app()
 
