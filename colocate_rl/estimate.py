@@ -276,6 +276,45 @@ class Recommendation:
     notes: list[str]
 
 
+def _merged(groups: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The overrides of several named changes as one mapping."""
+    return {key: value for _, overrides in groups for key, value in overrides.items()}
+
+
+def _search_changes(base: Estimate, attempt: Callable[[dict[str, Any]], Estimate | None]):
+    """For a recipe that does not fit: the first of CHANGES that fits alone (cheapest first); else CHANGES
+    applied together until one fits, then without those that turn out not to be needed. Returns the named
+    changes and the estimate after them (None when nothing fits)."""
+    for name in CHANGES:
+        for alt in _alternatives(name, base):
+            e = attempt(alt)
+            if e is not None and e.fits:
+                return [(name, alt)], e
+    groups: list[tuple[str, dict[str, Any]]] = []
+    current, final = base, None
+    for name in CHANGES:
+        tried = []
+        for alt in _alternatives(name, current):
+            e = attempt({**_merged(groups), **alt})
+            if e is not None:
+                tried.append((alt, e))
+        if not tried:
+            continue
+        alt, current = next((x for x in tried if x[1].fits), tried[-1])  # the mildest that fits, else strongest
+        groups.append((name, alt))
+        if current.fits:
+            final = current
+            break
+    if final is None:
+        return groups, None
+    for group in reversed(groups[:-1]):
+        rest = [x for x in groups if x is not group]
+        e = attempt(_merged(rest))
+        if e is not None and e.fits:
+            groups, final = rest, e
+    return groups, final
+
+
 def recommend(resolve_with: Callable[[dict[str, Any]], Any], gpu_gib: float,
               prompt_tokens: int | None = None) -> Recommendation:
     """Estimate the recipe (`resolve_with(overrides)` resolves it with dotted-key overrides, or raises UserError)
@@ -287,30 +326,14 @@ def recommend(resolve_with: Callable[[dict[str, Any]], Any], gpu_gib: float,
         except UserError:
             return None
 
-    merged = lambda groups: {k: v for _, o in groups for k, v in o.items()}  # noqa: E731
-    base = current = estimate(resolve_with({}), gpu_gib, prompt_tokens)
+    base = estimate(resolve_with({}), gpu_gib, prompt_tokens)
     groups: list[tuple[str, dict[str, Any]]] = []
     final = base if base.fits else None
-    for name, alt in ((n, a) for n in CHANGES for a in _alternatives(n, base)) if not base.fits else ():
-        e = attempt(alt)  # one change alone, cheapest first
-        if e is not None and e.fits:
-            groups, final = [(name, alt)], e
-            break
-    for name in CHANGES if final is None else ():  # else changes together, then without those not needed
-        tried = [(a, e) for a in _alternatives(name, current) if (e := attempt({**merged(groups), **a})) is not None]
-        if tried:  # the mildest variant that fits, else the strongest
-            alt, current = next((x for x in tried if x[1].fits), tried[-1])
-            groups.append((name, alt))
-            if current.fits:
-                final = current
-                break
-    for group in reversed(groups[:-1]) if final is not None and not base.fits else ():
-        e = attempt(merged([x for x in groups if x is not group]))
-        if e is not None and e.fits:
-            groups, final = [x for x in groups if x is not group], e
+    if final is None:
+        groups, final = _search_changes(base, attempt)
     notes = []
     if final is not None and final.resolved.recipe.generation.sleep_mode:
-        e = attempt({**merged(groups), "generation.sleep_mode": False})
+        e = attempt({**_merged(groups), "generation.sleep_mode": False})
         if e is not None and e.fits:
             notes.append(f"sleep mode off would also fit (vLLM share {e.chosen:.2f}); it saves the wake, sleep and "
                          "weight push of every step")
@@ -319,11 +342,11 @@ def recommend(resolve_with: Callable[[dict[str, Any]], Any], gpu_gib: float,
         # Offload the recipe asks for is kept (ZeRO-3 estimates run low, see README); only say when it looks
         # unnecessary, so the user can confirm by measuring.
         if final is not None and zero_of(final.resolved)[i]:
-            e = attempt({**merged(groups), key: False})
+            e = attempt({**_merged(groups), key: False})
             if e is not None and e.fits:
                 notes.append(f"{label} off would also fit by this estimate (peak {e.peak()[1]:.1f} GiB); "
                              "ZeRO-3 estimates run low, so confirm on the GPU before dropping it")
-    changes = merged(groups)
+    changes = _merged(groups)
     if final is not None:
         changes["generation.vllm_gpu_memory_utilization"] = final.chosen
     return Recommendation(base, final, changes, [name for name, _ in groups], notes)
