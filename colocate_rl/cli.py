@@ -30,6 +30,9 @@ RecipeArg = Annotated[str, typer.Argument(help="Recipe file, or the name of a sh
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a key: --set trainer.max_steps=20 (YAML value).")]
 GpusOpt = Annotated[Optional[int], typer.Option("--gpus", min=0, help="Plan for N GPUs per node with vLLM instead of "
                                                 "detecting them (e.g. on a login node).")]
+PlanMemOpt = Annotated[Optional[float], typer.Option("--gpu-memory", metavar="GIB", min=1, help="Memory of one GPU in "
+                                                     "GiB for planning (zero_stage auto; default: the detected GPU's, "
+                                                     "or 80 with --gpus).")]
 NnodesOpt = Annotated[Optional[str], typer.Option("--nnodes", metavar="N", help="Number of nodes (distributed.nnodes; "
                                                   "under srun read from Slurm).", show_default=False)]
 NodeRankOpt = Annotated[Optional[str], typer.Option("--node-rank", metavar="K", help="This node's rank, 0 … nnodes-1 "
@@ -71,7 +74,8 @@ def _recipe_path(recipe: str) -> Path:
     raise UserError(f"{recipe}: no such recipe file or shipped recipe; shipped: {', '.join(shipped)}")
 
 
-def _resolve(recipe: str, overrides: list[str] | None, gpus: int | None, node_flags: dict | None = None):
+def _resolve(recipe: str, overrides: list[str] | None, gpus: int | None, node_flags: dict | None = None,
+             gpu_memory: float | None = None):
     """Load (defaults < recipe < Slurm environment < --set and node flags), validate, bind to the host.
     Returns the resolved recipe and where each distributed node key came from."""
     from colocate_rl.cluster import explain_sources, layer_distributed
@@ -81,7 +85,11 @@ def _resolve(recipe: str, overrides: list[str] | None, gpus: int | None, node_fl
 
     path = _recipe_path(recipe)
     data, sources = layer_distributed(read_yaml(path), overrides or [], node_flags or {}, os.environ)
-    host = detect_host() if gpus is None else assumed_host(gpus)
+    host = detect_host() if gpus is None else assumed_host(gpus, gpu_memory or 80.0)
+    if gpu_memory and gpus is None and host.gpus:  # plan with another memory size than the detected GPUs'
+        from dataclasses import replace
+
+        host = replace(host, gpus=tuple(replace(g, memory_gib=gpu_memory) for g in host.gpus))
     try:
         return resolve(parse_recipe(data, str(path)), host), sources
     except UserError as e:
@@ -95,7 +103,9 @@ def _summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "")
     table.add_column()
     dist = r.distributed
     ds = resolved.deepspeed
-    layout = f"ZeRO-{ds.get('zero_optimization', {}).get('stage', 0)} ({dist.deepspeed})" if ds else "DDP"
+    layout = f"ZeRO-{ds.get('zero_optimization', {}).get('stage', 0)} ({dist.deepspeed or 'zero3'})" if ds else "DDP"
+    if resolved.layout_choice is not None:
+        layout = f"{resolved.layout_choice.chosen.label} (auto)"
     host = f"{resolved.host.gpu_count} GPU(s)" + (" assumed" if resolved.host.assumed else "")
     rows = [
         ("recipe", f"{r.name} ({r.algorithm})"),
@@ -107,7 +117,7 @@ def _summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "")
         ("trainer", f"{layout}, precision {resolved.precision}"),
         ("generation", resolved.backend + (f", gpu util {r.generation.vllm_gpu_memory_utilization}, "
                                            f"TP {r.generation.tensor_parallel_size}, sleep "
-                                           f"{'on' if r.generation.sleep_mode else 'off'}"
+                                           f"{r.generation.sleep_level}"
                                            if resolved.backend == "vllm" else "")),
         ("steps", f"{r.trainer.max_steps} × {r.trainer.per_device_train_batch_size * resolved.world_size} "
                   f"completions ({r.trainer.num_generations} per prompt)"),
@@ -127,12 +137,17 @@ def _summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "")
 @app.command()
 @_guarded
 def validate(recipe: RecipeArg, set_: SetOpt = None, gpus: GpusOpt = None, nnodes: NnodesOpt = None,
-             node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvEndpointOpt = None, rdzv_id: RdzvIdOpt = None) -> None:
+             node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvEndpointOpt = None, rdzv_id: RdzvIdOpt = None,
+             gpu_memory: PlanMemOpt = None) -> None:
     """Check a recipe (schema and cross-field checks against this machine) without running it."""
     from colocate_rl.cluster import parse_node_flags
 
-    resolved, _ = _resolve(recipe, set_, gpus, parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id))
+    resolved, _ = _resolve(recipe, set_, gpus, parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id),
+                           gpu_memory)
     console.print(_summary_table(resolved))
+    if resolved.layout_choice is not None:
+        for line in resolved.layout_choice.lines():
+            console.print(line, highlight=False, soft_wrap=True)
     console.print("[green]recipe is valid[/]")
 
 
@@ -149,6 +164,7 @@ def train(
     node_rank: NodeRankOpt = None,
     rdzv_endpoint: RdzvEndpointOpt = None,
     rdzv_id: RdzvIdOpt = None,
+    gpu_memory: PlanMemOpt = None,
 ) -> None:
     """Train: validate the recipe, write the run directory, run torchrun with the worker on every rank."""
     from colocate_rl.cluster import NODE_KEYS, parse_node_flags, slurm_note
@@ -156,7 +172,7 @@ def train(
     from colocate_rl.plan import make_plan
 
     node_flags = parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id)
-    resolved, sources = _resolve(recipe, set_, gpus, node_flags)
+    resolved, sources = _resolve(recipe, set_, gpus, node_flags, gpu_memory)
     dist = resolved.recipe.distributed
     chosen = run_dir or (Path(resolved.recipe.output.run_dir) if resolved.recipe.output.run_dir else
                          default_run_dir(resolved.recipe.name, datetime.now(), dist.rdzv_id if dist.nnodes > 1
@@ -174,10 +190,13 @@ def train(
             print(f"# recipe hash: {plan.recipe_hash} (must be the same on every node)")
         if note:
             print(f"# note: {note}")
+        for line in resolved.layout_choice.lines() if resolved.layout_choice is not None else []:
+            print(f"# {line}")
         print(plan.command_line())
         return
-    if gpus is not None:
-        raise UserError("--gpus: only for planning (validate, train --dry-run); a real run uses the GPUs it finds")
+    if gpus is not None or gpu_memory is not None:
+        raise UserError(f"{'--gpus' if gpus is not None else '--gpu-memory'}: only for planning (validate, train "
+                        "--dry-run); a real run uses the GPUs it finds")
     check_run_dir_free(plan.run_dir, plan.node_dir)
     if note:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
@@ -296,11 +315,97 @@ def _mem_probe_lines(rec) -> list[str]:
     _, _, off_opt, off_par = zero_of(f.resolved)
     phase, peak = f.peak(f.chosen)
     lines.append(f"recommended: generation.vllm_gpu_memory_utilization {f.chosen:.2f} (lower bound + {MARGIN:.0%} "
-                 f"of the GPU); sleep mode {'on' if f.resolved.recipe.generation.sleep_mode else 'off'}; optimizer "
+                 f"of the GPU); sleep level {f.resolved.recipe.generation.sleep_level}; optimizer "
                  f"offload {'on' if off_opt else 'off'}; param offload {'on' if off_par else 'off'} → peak "
                  f"{peak:.2f} GiB of {G:.1f} in {phase}; KV room for {f.max_seqs(f.chosen):,} sequences (a batch is "
                  f"{f.kv['sequences']})")
     return lines + [f"note: {n}" for n in b.notes + rec.notes]
+
+
+def _write_recipe(target: Path, path: Path, sets: list[str], header: str) -> None:
+    """A copy of the recipe at `path` with `sets` applied, written whole or not at all (temp file + rename)."""
+    import yaml
+
+    from colocate_rl.recipe import apply_overrides, read_yaml
+
+    if not target.parent.is_dir():
+        raise UserError(f"--write: {target.parent} is not a directory; create it or choose another file name")
+    text = f"# {header}\n" + yaml.safe_dump(apply_overrides(read_yaml(path), sets), sort_keys=False)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _mem_probe_measure(recipe: str, set_: list[str], gib: float, prompt_tokens: int | None, json_out: bool,
+                       write: Path | None, steps: int, probe_dir: Path | None, resolution: float, margin: float,
+                       trial_timeout: float) -> None:
+    """`mem-probe RECIPE` on a GPU machine: bisect vLLM's share with real trials (colocate_rl.probe)."""
+    import json
+
+    from colocate_rl import probe as P
+    from colocate_rl.estimate import PHASES, estimate as estimate_memory
+
+    path = _recipe_path(recipe)
+    resolved = _resolve(recipe, set_, None)[0]
+    if resolved.backend != "vllm":
+        raise UserError("mem-probe: the recipe generates with transformers here (generation.backend); measuring "
+                        "bisects vLLM's share: install vLLM (pip install -e '.[gpu]') or set generation.backend: vllm")
+    est = estimate_memory(resolved, gib, prompt_tokens)
+    if est.kv_budget_gib is not None:
+        raise UserError("generation.kv_cache_memory: set, so vLLM's share is fixed by it; the probe bisects "
+                        "generation.vllm_gpu_memory_utilization: add --set generation.kv_cache_memory=null to probe it")
+    lower, upper = max(est.lower, resolution), min(est.upper, 1.0)
+    if lower > upper:
+        raise UserError(f"mem-probe: the estimate leaves no vLLM share that fits (window {est.lower:.3f} to "
+                        f"{est.upper:.3f}); `colocate-rl mem-probe RECIPE --estimate` names the cheapest change: "
+                        "pass it with --set and probe again")
+    probe_dir = probe_dir or Path("runs") / f"mem-probe-{datetime.now():%Y%m%d-%H%M%S}"
+    if probe_dir.exists() and any(probe_dir.iterdir()):
+        raise UserError(f"--probe-dir: {probe_dir} is not empty; choose another directory or remove it")
+    out = err_console if json_out else console
+    out.print(f"probing generation.vllm_gpu_memory_utilization in {lower:.3f}–{upper:.3f} (estimated window) "
+              f"at a resolution of {resolution:g}, {steps} steps a trial; trials in {probe_dir}", highlight=False)
+    result_line = lambda t: (f"  → {t.outcome} ({t.seconds:.0f} s, {t.steps} steps)"  # noqa: E731
+                             + (f": {t.detail}" if t.detail else ""))
+    try:
+        result = P.run_probe(path, list(set_ or []), lower, upper, est.chosen, probe_dir, steps, resolution, margin,
+                             trial_timeout, on_start=lambda k, u: out.print(f"trial {k}: share {u:g} ...",
+                                                                             highlight=False),
+                             on_trial=lambda k, t: out.print(result_line(t), highlight=False, markup=False,
+                                                             soft_wrap=True))
+    except P.ProbeAborted as e:
+        err_console.print(P.trials_table(e.trials))
+        err_console.print(e.trial.log_tail, highlight=False, markup=False, soft_wrap=True)
+        raise UserError(f"mem-probe: trial {len(e.trials)} (share {e.trial.util:g}) failed for a reason the probe "
+                        f"does not bisect on ({e.trial.outcome}: {e.trial.detail}); its run directory is "
+                        f"{e.trial.run_dir}; fix that and probe again")
+    estimate_at = lambda u: {p: est.total(p, u) for p in PHASES}  # noqa: E731
+    best = result.best_trial()
+    if json_out:
+        print(json.dumps({"recipe": str(path), "gpu_memory_gib": gib, "steps": steps, "probe_dir": str(probe_dir),
+                          "estimate": {"lower": round(est.lower, 4), "upper": round(est.upper, 4),
+                                       "chosen": est.chosen}, **P.to_json(result, estimate_at)}))
+    else:
+        console.print(P.trials_table(result.trials))
+        if best is not None:
+            console.print(P.comparison_table(P.comparison(estimate_at(best.util), best.peaks), best.util))
+        if result.recommended is not None:
+            console.print(f"largest share that completed {steps} steps: {result.largest:g}; recommended: "
+                          f"generation.vllm_gpu_memory_utilization {result.recommended:g} (largest − margin "
+                          f"{margin:g}; the estimate recommended {est.chosen:g})", highlight=False, soft_wrap=True)
+        for note in result.notes:
+            console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    if result.recommended is None:
+        raise UserError("mem-probe: no vLLM share in the window completed the steps (" + "; ".join(result.notes)
+                        + f"); see the trials in {probe_dir}" + ("; nothing written" if write else ""))
+    if write is not None:
+        _write_recipe(write, path, [*(set_ or []), f"generation.vllm_gpu_memory_utilization={result.recommended:g}"],
+                      f"{recipe} with generation.vllm_gpu_memory_utilization {result.recommended:g} measured by "
+                      f"`colocate-rl mem-probe` (largest passing {result.largest:g} − margin {margin:g})")
+        out.print(f"wrote {write}", highlight=False)
 
 
 @app.command("mem-probe")
@@ -320,23 +425,34 @@ def mem_probe(
                                            "recommendation).")] = False,
     write: Annotated[Optional[Path], typer.Option("--write", metavar="OUT.yaml", help="Write a copy of the recipe "
                                                   "with the recommended values.")] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Measuring: training steps per trial.")] = 3,
+    probe_dir: Annotated[Optional[Path], typer.Option("--probe-dir", help="Measuring: where the trials' run "
+                                                      "directories go (default runs/mem-probe-<time>).")] = None,
+    resolution: Annotated[float, typer.Option("--resolution", min=0.001, max=0.5, help="Measuring: bisection step "
+                                              "of the vLLM share.")] = 0.01,
+    margin: Annotated[float, typer.Option("--margin", min=0, max=0.5, help="Measuring: safety margin below the "
+                                          "largest share that completed.")] = 0.02,
+    trial_timeout: Annotated[float, typer.Option("--trial-timeout", min=1, metavar="SECONDS", help="Measuring: "
+                                                 "end a trial after this long (it then stops the probe).")] = 1200,
 ) -> None:
     """GPU memory per rank and phase (generation, weight sync, training, optimizer step) and the vLLM share to set."""
     import json
 
-    import yaml
-
     from colocate_rl.estimate import PHASES, recommend, to_json
     from colocate_rl.host import detect_host
-    from colocate_rl.recipe import apply_overrides, load_recipe, read_yaml
+    from colocate_rl.recipe import load_recipe
 
     host = detect_host()
-    if not estimate:
-        if not host.gpus:
-            raise UserError("mem-probe: measuring needs a GPU; run with --estimate")
-        raise UserError("mem-probe: measuring on the GPU is not implemented yet; run with --estimate")
+    if not estimate and not host.gpus:
+        raise UserError("mem-probe: no CUDA GPU on this machine; measuring runs the recipe on the GPUs — run "
+                        "`colocate-rl mem-probe RECIPE --estimate` here")
     if write is not None and write.exists():
         raise UserError(f"--write: {write} already exists; choose another file name")
+    if not estimate:
+        if gpus is not None:
+            raise UserError("--gpus: only with --estimate; measuring uses the GPUs it finds")
+        return _mem_probe_measure(recipe, set_ or [], gpu_memory or host.gpus[0].memory_gib, prompt_tokens, json_out,
+                                  write, steps, probe_dir, resolution, margin, trial_timeout)
     gib = gpu_memory or (host.gpus[0].memory_gib if host.gpus else None)
     if gib is None:
         raise UserError("--gpu-memory: no GPU detected here; give the memory of one GPU in GiB, e.g. --gpu-memory 80")
@@ -347,12 +463,13 @@ def mem_probe(
             raise UserError("--gpus: no GPU detected here and distributed.nproc_per_node is auto; pass --gpus N to "
                             "plan for N GPUs per node")
     as_sets = lambda changes: [*(set_ or []), *(f"{k}={json.dumps(v)}" for k, v in changes.items())]  # noqa: E731
-    rec = recommend(lambda changes: _resolve(recipe, as_sets(changes), gpus)[0], gib, prompt_tokens)
+    rec = recommend(lambda changes: _resolve(recipe, as_sets(changes), gpus, gpu_memory=gib)[0], gib, prompt_tokens)
+    choice = rec.base.resolved.layout_choice  # zero_stage / gradient_checkpointing auto: what was chosen and why
     if json_out:
-        print(json.dumps(to_json(rec)))
+        print(json.dumps({**to_json(rec), "layout_choice": choice.to_json() if choice is not None else None}))
     else:
-        table = Table(title=f"estimated memory per GPU (GiB), vLLM share {rec.base.util} of {gib:.1f} GiB, sleep mode "
-                            f"{'on' if rec.base.resolved.recipe.generation.sleep_mode else 'off'}")
+        table = Table(title=f"estimated memory per GPU (GiB), vLLM share {rec.base.util} of {gib:.1f} GiB, sleep level "
+                            f"{rec.base.resolved.recipe.generation.sleep_level}")
         table.add_column("term")
         for phase in PHASES:
             table.add_column(phase, justify="right")
@@ -360,15 +477,14 @@ def mem_probe(
             table.add_row(term, *(f"{row[p]:.2f}" if p in row else "" for p in PHASES))
         table.add_row("total", *(f"{rec.base.total(p):.2f}" for p in PHASES), style="bold")
         console.print(table)
-        for line in _mem_probe_lines(rec):
+        for line in _mem_probe_lines(rec) + (choice.lines() if choice is not None else []):
             console.print(line, highlight=False, soft_wrap=True)
     if write is not None:
         if rec.final is None:
             raise UserError("--write: no change tried makes the recipe fit; nothing written")
-        data = apply_overrides(read_yaml(path), as_sets(rec.changes))
         changed = ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in rec.changes.items())
-        write.write_text(f"# {recipe} with the values of `colocate-rl mem-probe --estimate` ({changed})\n"
-                         + yaml.safe_dump(data, sort_keys=False))
+        _write_recipe(write, path, as_sets(rec.changes),
+                      f"{recipe} with the values of `colocate-rl mem-probe --estimate` ({changed})")
         (err_console if json_out else console).print(f"wrote {write}", highlight=False)
 
 

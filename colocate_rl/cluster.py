@@ -249,6 +249,7 @@ def recipe_identity(resolved: "Resolved") -> dict[str, Any]:
     data["distributed"]["mixed_precision"] = resolved.precision
     data["generation"]["backend"] = resolved.backend
     data["model"]["dtype"] = resolved.model_dtype
+    data["trainer"]["gradient_checkpointing"] = resolved.gradient_checkpointing
     data["device"] = resolved.device
     data["deepspeed_config"] = resolved.deepspeed
     return _flatten(data)

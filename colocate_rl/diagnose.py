@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from colocate_rl.recipe import Recipe
 
-MEM_PROBE = "`colocate-rl mem-probe RECIPE --estimate` (once available) estimates what fits"
+MEM_PROBE = "`colocate-rl mem-probe RECIPE` measures what fits on the GPUs (`--estimate` computes it without one)"
 
 
 def diagnose(log_text: str, recipe: Recipe) -> list[str]:
@@ -24,14 +24,14 @@ def diagnose(log_text: str, recipe: Recipe) -> list[str]:
             "generation.max_model_length / trainer.max_completion_length; " + MEM_PROBE)
     if "CUDA out of memory" in log_text or "OutOfMemoryError" in log_text:
         steps = []
-        if not gen.sleep_mode:
-            steps.append("turn on generation.sleep_mode")
+        if not gen.sleep_level:
+            steps.append("turn on sleep mode (generation.sleep_level: 2)")
         steps.append(f"lower generation.vllm_gpu_memory_utilization (now {util})")
         if recipe.distributed.deepspeed is None:
             steps.append("use distributed.deepspeed: zero3")
         elif not recipe.distributed.offload_optimizer:
             steps.append("set distributed.offload_optimizer: true")
-        if not recipe.trainer.gradient_checkpointing:
+        if recipe.trainer.gradient_checkpointing is not True:
             steps.append("set trainer.gradient_checkpointing: true")
         steps.append("lower trainer.per_device_train_batch_size or trainer.max_completion_length")
         advice.append("a rank ran out of GPU memory: " + ", ".join(steps) + "; " + MEM_PROBE)

@@ -125,6 +125,7 @@ class Estimate:
     need_gib: float  # vLLM weights + KV for one generation batch + allowance
     kv: dict[str, Any]
     notes: list[str]
+    kv_budget_gib: float | None = None  # generation.kv_cache_memory: vLLM's KV pool is this, whatever the share
 
     def __post_init__(self) -> None:
         G, fixed = self.gpu_gib, self.fixed
@@ -132,18 +133,29 @@ class Estimate:
         self.lower = self.need_gib / G  # vLLM's share must hold its weights, one batch's KV and the allowance
         self.upper_phase = max(self.awake, key=fixed.__getitem__)  # the awake phase that leaves vLLM the least
         self.upper = (G - fixed[self.upper_phase]) / G
-        self.chosen = math.ceil(round((self.lower + MARGIN) * 100, 6)) / 100  # lower + margin, up to a hundredth
         self.asleep_fits = all(fixed[p] <= G * (1 - MARGIN) for p in PHASES if p not in self.awake)
-        self.fits = self.asleep_fits and self.chosen <= self.upper - MARGIN
+        if self.kv_budget_gib is None:
+            self.chosen = math.ceil(round((self.lower + MARGIN) * 100, 6)) / 100  # lower + margin, to a hundredth
+            self.fits = self.asleep_fits and self.chosen <= self.upper - MARGIN
+        else:  # the share is fixed by the KV budget: it must hold one batch and leave the margin free
+            self.chosen = self.util
+            self.fits = (self.asleep_fits and self.kv_budget_gib >= self.kv["gib"]
+                         and self.share_gib() <= G * (self.upper - MARGIN))
+
+    def share_gib(self, util: float | None = None) -> float:
+        """vLLM's memory while awake: util × GPU, or weights + the KV budget + allowance (generation.kv_cache_memory)."""
+        if self.kv_budget_gib is not None:
+            return self.need_gib - self.kv["gib"] + self.kv_budget_gib
+        return (self.util if util is None else util) * self.gpu_gib
 
     def total(self, phase: str, util: float | None = None) -> float:
-        return self.fixed[phase] + ((self.util if util is None else util) * self.gpu_gib if phase in self.awake else 0)
+        return self.fixed[phase] + (self.share_gib(util) if phase in self.awake else 0)
 
     def peak(self, util: float | None = None) -> tuple[str, float]:
         return max(((p, self.total(p, util)) for p in PHASES), key=lambda x: x[1])
 
     def max_seqs(self, util: float) -> int:  # sequences of kv['tokens'] tokens the KV pool holds at this share
-        room = util * self.gpu_gib - self.terms["vLLM weights"]["generation"] - VLLM_ALLOWANCE_GIB
+        room = self.share_gib(util) - self.terms["vLLM weights"]["generation"] - VLLM_ALLOWANCE_GIB
         return max(0, int(room * GIB // (self.kv["bytes_per_token"] * self.kv["tokens"])))
 
 
@@ -200,32 +212,47 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
     a = 2 if resolved.precision in ("bf16", "fp16") else 4
     layer = a * (8 * h + 3 * lay.heads * lay.hd + 2 * lay.kv_heads * lay.hd + 4 * lay.intermediate)
     tokens = t.per_device_train_batch_size * seq
-    act = tokens * (lay.layers * a * h + layer if t.gradient_checkpointing else lay.layers * layer)
+    act = tokens * (lay.layers * a * h + layer if resolved.gradient_checkpointing else lay.layers * layer)
     # TRL computes logits for the completion tokens only (logits_to_keep); 4 B each: the 16-bit logits plus the
     # temperature-scaled copy / their gradient in backward. With Qwen's 152k vocab this dominates.
     logits = t.per_device_train_batch_size * (comp + 1) * lay.vocab * 4
     # ZeRO-3 gathers 16-bit params for forward/backward (up to stage3_max_live_parameters) and, for the weight
-    # push to vLLM, one parameter at a time (the largest: the embedding)
+    # push to vLLM, one parameter at a time with TRL's engine (the largest: the embedding), one bucket of
+    # generation.weight_sync_bucket_mb at a time with colocate-rl's (at least the largest parameter)
     live = zero.get("stage3_max_live_parameters", 10**9)
     gather = 2 * min(live if isinstance(live, int) else 10**9, n) if stage == 3 else 0
+    largest = 2 * lay.vocab * h
+    sync_gather = 0 if stage != 3 else largest if getattr(g, "engine", "trl") == "trl" else max(
+        largest, min(getattr(g, "weight_sync_bucket_mb", 0) * 2**20, 2 * n))
+    # generation.offload_trainer_during_generation: DeepSpeed's optimizer states, fp32 master weights and
+    # gradients are on CPU while vLLM generates (colocate-rl's engine, after the weight push)
+    off_gen = bool(getattr(g, "offload_trainer_during_generation", False)) and stage is not None
+    not_generating = [ph for ph in PHASES if ph != "generation"] if off_gen else PHASES
     vllm_w = 2 * n / tp / GIB
 
     terms: dict[str, dict[str, float]] = {}  # term → phase → GiB
     for name, value, phases in [
         ("CUDA context", CUDA_CONTEXT_GIB * GIB, PHASES), ("trainer weights", weights, PHASES),
-        ("trainer gradients", grads, PHASES), ("reference model", ref, PHASES),
-        ("optimizer states" + (" (AdamW)" if stage is None else " (fp32 master + Adam)"), opt, PHASES),
+        ("trainer gradients", grads, not_generating), ("reference model", ref, PHASES),
+        ("optimizer states" + (" (AdamW)" if stage is None else " (fp32 master + Adam)"), opt, not_generating),
         ("optimizer step buffers", step, ["optimizer step"]),
-        ("activations" + (" (checkpointed)" if t.gradient_checkpointing else ""), act, ["training"]),
+        ("activations" + (" (checkpointed)" if resolved.gradient_checkpointing else ""), act, ["training"]),
         ("logits", logits, ["training"]),
         ("ZeRO-3 gathered params", gather, ["training"]),
-        ("ZeRO-3 gathered params", 2 * lay.vocab * h if stage == 3 else 0, ["weight sync"])]:
+        ("ZeRO-3 gathered params", sync_gather, ["weight sync"])]:
         if value:
             terms.setdefault(name, {}).update({ph: value / GIB for ph in phases})
-    awake = PHASES if not g.sleep_mode else ("generation",)
+    # sleep level 1 copies vLLM's weights to CPU memory and level 2 drops them: on the GPU both leave the residue
+    awake = PHASES if not g.sleep_level else ("generation",)
     fixed = {ph: sum(v.get(ph, 0.0) for v in terms.values()) for ph in PHASES}
     need = vllm_w + kv_gib + VLLM_ALLOWANCE_GIB
-    share = (vllm_w, kv_gib, VLLM_ALLOWANCE_GIB, g.vllm_gpu_memory_utilization * gpu_gib - need)
+    kv_budget = None
+    if getattr(g, "kv_cache_memory", None) is not None:  # an absolute KV pool instead of util × GPU
+        from colocate_rl.recipe import parse_size
+
+        kv_budget = parse_size(g.kv_cache_memory) / GIB
+    vllm_share = g.vllm_gpu_memory_utilization * gpu_gib if kv_budget is None else need - kv_gib + kv_budget
+    share = (vllm_w, kv_gib, VLLM_ALLOWANCE_GIB, vllm_share - need)
     for ph in PHASES:  # asleep: the residue, plus the weights TRL wakes to push the trainer's before the KV cache
         asleep = {"vLLM sleep residue": SLEEP_RESIDUE_GIB, **({"vLLM weights": vllm_w} if ph == "weight sync" else {})}
         for name, value in zip(SHARE_TERMS, share) if ph in awake else asleep.items():
@@ -235,7 +262,14 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
               bytes_per_token=kv_token, gib=kv_gib, max_model_len=max_len)
     notes = [] if mml or prompt_tokens else [f"prompt length assumed to be {ASSUMED_PROMPT_TOKENS} tokens (no "
                                              "generation.max_model_length); --prompt-tokens sets it"]
-    return Estimate(resolved, lay, gpu_gib, terms, fixed, awake, need, kv, notes)
+    if kv_budget is not None:
+        notes.append(f"generation.kv_cache_memory sets vLLM's KV pool to {kv_budget:.2f} GiB (a generation batch "
+                     f"needs {kv_gib:.2f}): its share is weights + KV + allowance = {vllm_share:.2f} GiB, whatever "
+                     "vllm_gpu_memory_utilization says")
+    if off_gen:
+        notes.append("generation.offload_trainer_during_generation: optimizer states and gradients are on CPU "
+                     "while vLLM generates (not counted in generation)")
+    return Estimate(resolved, lay, gpu_gib, terms, fixed, awake, need, kv, notes, kv_budget)
 
 
 CHANGES = ("sleep on", "gradient checkpointing", "ZeRO-3", "optimizer offload", "param offload", "TP",
@@ -248,9 +282,9 @@ def _alternatives(name: str, e: Estimate) -> list[dict[str, Any]]:
     _, stage, off_opt, off_par = zero_of(e.resolved)
     to_ds = {"distributed.deepspeed": "zero3"} if stage is None else {}
     if name == "sleep on":
-        return [] if g.sleep_mode else [{"generation.sleep_mode": True}]
+        return [] if g.sleep_level else [{"generation.sleep_level": 2}]
     if name == "gradient checkpointing":
-        return [] if t.gradient_checkpointing else [{"trainer.gradient_checkpointing": True}]
+        return [] if e.resolved.gradient_checkpointing else [{"trainer.gradient_checkpointing": True}]
     if name == "ZeRO-3":
         return [] if stage == 3 else [to_ds or {"distributed.zero_stage": 3}]
     if name == "optimizer offload":
@@ -332,8 +366,8 @@ def recommend(resolve_with: Callable[[dict[str, Any]], Any], gpu_gib: float,
     if final is None:
         groups, final = _search_changes(base, attempt)
     notes = []
-    if final is not None and final.resolved.recipe.generation.sleep_mode:
-        e = attempt({**_merged(groups), "generation.sleep_mode": False})
+    if final is not None and final.resolved.recipe.generation.sleep_level:
+        e = attempt({**_merged(groups), "generation.sleep_level": 0})
         if e is not None and e.fits:
             notes.append(f"sleep mode off would also fit (vLLM share {e.chosen:.2f}); it saves the wake, sleep and "
                          "weight push of every step")
@@ -347,7 +381,7 @@ def recommend(resolve_with: Callable[[dict[str, Any]], Any], gpu_gib: float,
                 notes.append(f"{label} off would also fit by this estimate (peak {e.peak()[1]:.1f} GiB); "
                              "ZeRO-3 estimates run low, so confirm on the GPU before dropping it")
     changes = _merged(groups)
-    if final is not None:
+    if final is not None and final.kv_budget_gib is None:  # with kv_cache_memory the share is not a setting
         changes["generation.vllm_gpu_memory_utilization"] = final.chosen
     return Recommendation(base, final, changes, [name for name, _ in groups], notes)
 

@@ -123,7 +123,14 @@ def build_builtin_model(plan: LaunchPlan) -> None:
         from colocate_rl.builtin_model import build_model
 
         hf_logging.disable_progress_bar()
-        build_model(**plan.builtin_model)
+        spec = dict(plan.builtin_model)
+        link = Path(spec.pop("link"))
+        built = build_model(**spec)
+        if not link.exists():
+            try:
+                link.symlink_to(built, target_is_directory=True)
+            except FileExistsError:  # another node of a shared run dir linked it first
+                pass
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -160,8 +167,9 @@ def worker_errors(log: str) -> list[str]:
     return list(dict.fromkeys(line.strip() for line in found))
 
 
-SHORT_PHASES = {"generate": "gen", "weight_sync": "sync", "wake": "wake", "sleep": "sleep", "reward": "reward",
-                "prepare": "prep", "train": "train", "optimizer": "opt"}
+SHORT_PHASES = {"generate": "gen", "weight_sync": "sync", "weight_check": "check", "wake": "wake", "sleep": "sleep",
+                "offload": "offload", "reload": "reload", "reward": "reward", "prepare": "prep", "train": "train",
+                "optimizer": "opt"}
 
 
 def phase_summary(record: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from colocate_rl.cluster import IDENTITY_FILE, NODE_RANK_ENV, NODES_DIR, RECIPE_HASH_ENV, identity_hash, recipe_identity
-from colocate_rl.recipe import dump_recipe
+from colocate_rl.recipe import dump_recipe, parse_size
 from colocate_rl.resolve import Resolved
 
 WORKER_MODULE = "colocate_rl.worker"
@@ -56,7 +56,7 @@ def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
         "temperature": trainer.temperature,
         "seed": trainer.seed,
         "data_seed": trainer.seed,
-        "gradient_checkpointing": trainer.gradient_checkpointing,
+        "gradient_checkpointing": resolved.gradient_checkpointing,
         "logging_steps": trainer.logging_steps,
         "save_strategy": "steps" if trainer.save_steps else "no",
         "report_to": list(recipe.output.report_to) or "none",
@@ -77,12 +77,31 @@ def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
             vllm_mode="colocate",
             vllm_gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
             vllm_tensor_parallel_size=gen.tensor_parallel_size,
-            vllm_enable_sleep_mode=gen.sleep_mode,
+            vllm_enable_sleep_mode=gen.sleep_level > 0,
         )
         if gen.max_model_length is not None:
             args["vllm_max_model_length"] = gen.max_model_length
     args.update(trainer.extra_args)
     return args
+
+
+def engine_options(resolved: Resolved) -> dict[str, Any] | None:
+    """Options of colocate-rl's vLLM engine (`colocate_rl.engine`) for this run; None when TRL's engine or no
+    vLLM generates."""
+    gen = resolved.recipe.generation
+    if resolved.backend != "vllm" or gen.engine != "colocate-rl":
+        return None
+    return {
+        "sleep_level": gen.sleep_level,
+        "kv_cache_memory_bytes": parse_size(gen.kv_cache_memory) if gen.kv_cache_memory is not None else None,
+        "enforce_eager": gen.enforce_eager,
+        "max_num_seqs": gen.max_num_seqs,
+        "max_num_batched_tokens": gen.max_num_batched_tokens,
+        "enable_prefix_caching": gen.enable_prefix_caching,
+        "bucket_bytes": gen.weight_sync_bucket_mb * 2**20,
+        "offload_trainer": gen.offload_trainer_during_generation,
+        "check_weights": gen.check_weights,
+    }
 
 
 def rank_env(resolved: Resolved, base_env: Mapping[str, str], cache_dir: Path) -> dict[str, str]:
@@ -156,6 +175,7 @@ def make_plan(
         "device": resolved.device,
         "world_size": resolved.world_size,
         "trl_args": trl_args(resolved, run_dir),
+        "engine": engine_options(resolved),
         "recipe_hash": recipe_hash,
     }
     if multi_node:
@@ -180,7 +200,9 @@ def make_plan(
         files["deepspeed.json"] = json.dumps(resolved.deepspeed, indent=2) + "\n"
     builtin = None
     if resolved.builtin_layout:
-        builtin = {"layout": resolved.builtin_layout, "out_dir": str(run_dir / "model"),
-                   "seed": recipe.trainer.seed, "dtype": resolved.model_dtype}
+        # Built once per machine into the cache (a 7B layout takes minutes); the run dir's model/ links to it.
+        key = f"{resolved.builtin_layout}-seed{recipe.trainer.seed}-{resolved.model_dtype}"
+        builtin = {"layout": resolved.builtin_layout, "out_dir": str(cache_dir / "builtin-models" / key),
+                   "seed": recipe.trainer.seed, "dtype": resolved.model_dtype, "link": str(run_dir / "model")}
     return LaunchPlan(run_dir=run_dir, argv=argv, env=env, files=files, builtin_model=builtin, node_dir=node_dir,
                       recipe_hash=recipe_hash)

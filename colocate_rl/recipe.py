@@ -21,9 +21,33 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    field_validator,
 )
 
 from colocate_rl.errors import UserError
+
+
+SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+              "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a size string such as `12GiB`, `512 MiB`, `8e9`. Raises ValueError otherwise."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 12GiB")
+    if isinstance(value, (int, float)):
+        size = float(value)
+    else:
+        import re
+
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in SIZE_UNITS:
+            raise ValueError("expected bytes or a size such as 12GiB, 512MiB, 20GB")
+        size = float(match.group(1)) * SIZE_UNITS[unit]
+    if size < 1:
+        raise ValueError("must be a positive size")
+    return int(size)
 
 
 class _Section(BaseModel):
@@ -80,7 +104,11 @@ class TrainerSection(_Section):
     beta: NonNegativeFloat = Field(0.0, description="KL coefficient against the reference model (0 = no reference).")
     temperature: PositiveFloat = Field(1.0, description="Sampling temperature.")
     seed: int = Field(42, description="Random seed (model init for built-in models, data order, sampling).")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        False, description="Recompute activations in backward to save memory; auto = off when the estimated "
+        "activations fit in GPU memory, else on (tried per ZeRO stage before the next stage; see "
+        "distributed.zero_stage)."
+    )
     logging_steps: PositiveInt = Field(1, description="Log metrics every N steps.")
     save_steps: NonNegativeInt = Field(0, description="Save a checkpoint every N steps (0 = only the final model).")
     extra_args: dict[str, Any] = Field(
@@ -101,8 +129,53 @@ class GenerationSection(_Section):
     tensor_parallel_size: PositiveInt = Field(
         1, description="vLLM tensor-parallel group size (contiguous ranks of one node; divides nproc_per_node)."
     )
-    sleep_mode: bool = Field(True, description="Put vLLM to sleep during the optimizer step to free its memory.")
     max_model_length: PositiveInt | None = Field(None, description="vLLM context length (prompt + completion).")
+    engine: Literal["colocate-rl", "trl"] = Field(
+        "colocate-rl",
+        description="Who drives the colocated vLLM engine: colocate-rl's own cycle (engine options, sleep levels, "
+        "bucketed weight sync, trainer offload, weight check) or TRL's built-in one (for comparison).",
+    )
+    sleep_level: Literal[0, 1, 2] = Field(
+        2,
+        description="vLLM sleep mode while the trainer runs: 0 = off (vLLM keeps its memory), 1 = weights "
+        "copied to CPU and KV cache freed, 2 = weights and KV cache freed (the trainer's weights are pushed "
+        "after every wake). The engine `trl` supports only 0 and 2.",
+    )
+    kv_cache_memory: PositiveInt | str | None = Field(
+        None,
+        description="Absolute KV-cache budget per GPU, bytes or a size such as `12GiB`, instead of sizing it "
+        "from vllm_gpu_memory_utilization (engine colocate-rl).",
+    )
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _size(cls, value):
+        if value is not None:
+            parse_size(value)
+        return value
+
+    enforce_eager: bool = Field(False, description="Run vLLM without CUDA graphs/torch.compile (faster start, "
+                                "slower decode; engine colocate-rl).")
+    max_num_seqs: PositiveInt | None = Field(
+        None, description="vLLM's concurrent sequences; null = the rank's share of one generation batch "
+        "(per_device_train_batch_size × tensor_parallel_size × steps per generation)."
+    )
+    max_num_batched_tokens: PositiveInt = Field(4096, description="vLLM's tokens per scheduler step (engine "
+                                                "colocate-rl; TRL's engine fixes 4096).")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV cache of shared prompt prefixes (the "
+                                        "num_generations copies of a prompt); engine colocate-rl.")
+    weight_sync_bucket_mb: PositiveInt = Field(
+        1024, description="Bytes per weight-sync bucket, MiB: parameters gathered in one collective and loaded "
+        "into vLLM in one call (bounds the sync's extra memory); engine colocate-rl."
+    )
+    offload_trainer_during_generation: bool = Field(
+        False, description="Move the DeepSpeed optimizer states (and fp32 master weights and gradients) to CPU "
+        "while vLLM generates, so its KV cache can be larger; needs distributed.deepspeed; engine colocate-rl."
+    )
+    check_weights: bool = Field(
+        True, description="After each weight sync, compare a few of vLLM's tensors with the trainer's and stop "
+        "the run if vLLM is not generating from the trainer's current weights; engine colocate-rl."
+    )
 
 
 class DistributedSection(_Section):
@@ -122,9 +195,14 @@ class DistributedSection(_Section):
     deepspeed: str | None = Field(
         None,
         description="Shipped DeepSpeed config name (zero3, zero3_offload_optimizer, zero3_offload_all) "
-        "or a path to a JSON file; null = plain DDP.",
+        "or a path to a JSON file; null = plain DDP (with zero_stage auto: the shipped zero3 JSON).",
     )
-    zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="Override the DeepSpeed config's ZeRO stage.")
+    zero_stage: Literal[0, 1, 2, 3, "auto"] | None = Field(
+        None, description="Override the DeepSpeed config's ZeRO stage. auto = the fastest layout whose estimated "
+        "peak fits in GPU memory with a 10% margin: ZeRO-2, ZeRO-3, ZeRO-3 + optimizer offload, ZeRO-3 + "
+        "optimizer and parameter offload (explicit offload keys constrain them; with distributed.deepspeed null "
+        "the shipped zero3 JSON is the base). `train --dry-run` and `mem-probe --estimate` show the choice."
+    )
     offload_optimizer: bool | None = Field(None, description="Override: optimizer states on CPU (ZeRO).")
     offload_params: bool | None = Field(None, description="Override: parameters on CPU (ZeRO-3).")
     deepspeed_overrides: dict[str, Any] = Field(
@@ -276,7 +354,7 @@ def _format_errors(errors: list[dict]) -> list[str]:
         elif first["type"] == "missing":
             lines.append(f"{dotted}: required key is missing; add it to the recipe")
         else:
-            msgs = list(dict.fromkeys(e["msg"] for e in errs))
+            msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errs))
             value = first.get("input")
             shown = "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list) else repr(value)
             text = " or ".join(m[0].lower() + m[1:] for m in msgs)

@@ -21,9 +21,10 @@ from rich.table import Table
 
 from colocate_rl.errors import UserError
 
-PHASES = ("generate", "weight_sync", "wake", "sleep", "reward", "prepare", "train", "optimizer", "other")
-COLORS = dict(zip(PHASES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
-                           "tab:olive", "tab:gray")))
+PHASES = ("generate", "weight_sync", "weight_check", "wake", "sleep", "offload", "reload", "reward", "prepare", "train",
+          "optimizer", "other")
+COLORS = dict(zip(PHASES, ("tab:blue", "tab:orange", "gold", "tab:green", "tab:red", "teal", "navy", "tab:purple",
+                           "tab:brown", "tab:pink", "tab:olive", "tab:gray")))
 MEMORY_ROWS = ([(f"end of {p}", f"mem/{p}_end_gib") for p in PHASES] + [
     ("after optimizer step (driver)", "mem/gpu_used_gib"), ("peak during step (driver)", "mem/gpu_peak_gib"),
     ("torch allocated", "mem/torch_allocated_gib"), ("torch reserved", "mem/torch_reserved_gib"),

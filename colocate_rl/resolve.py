@@ -34,7 +34,7 @@ MANAGED_TRL_FIELDS = {
     "vllm_mode": "generation.backend",
     "vllm_gpu_memory_utilization": "generation.vllm_gpu_memory_utilization",
     "vllm_tensor_parallel_size": "generation.tensor_parallel_size",
-    "vllm_enable_sleep_mode": "generation.sleep_mode",
+    "vllm_enable_sleep_mode": "generation.sleep_level",
     "vllm_max_model_length": "generation.max_model_length",
     "reward_weights": "rewards[*].weight",
     "model_init_kwargs": "model.dtype",
@@ -55,6 +55,8 @@ class Resolved:
     model_dtype: str  # "bfloat16", "float16" or "float32"
     deepspeed: dict[str, Any] | None
     builtin_layout: str | None  # set when model.name is builtin:<layout>
+    gradient_checkpointing: bool = False  # trainer.gradient_checkpointing as resolved (auto → chosen)
+    layout_choice: Any = None  # colocate_rl.autolayout.LayoutChoice when zero_stage or gradient_checkpointing is auto
 
     @property
     def world_size(self) -> int:
@@ -130,6 +132,39 @@ def _check_rewards(recipe: Recipe) -> list[str]:
     return problems
 
 
+ENGINE_ONLY = ("kv_cache_memory", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+               "weight_sync_bucket_mb", "offload_trainer_during_generation", "check_weights")
+
+
+def _check_engine(recipe: Recipe, deepspeed: dict[str, Any] | None) -> list[str]:
+    """Settings of colocate-rl's vLLM engine that the chosen engine or trainer layout cannot honour."""
+    gen, problems = recipe.generation, []
+    if gen.engine == "trl":
+        if gen.sleep_level == 1:
+            problems.append("generation.sleep_level: 1 is not supported by generation.engine: trl (TRL sleeps at "
+                            "level 2 only); use 0 or 2, or generation.engine: colocate-rl")
+        defaults = type(gen).model_fields
+        for key in ENGINE_ONLY:
+            if getattr(gen, key) != defaults[key].default:
+                problems.append(f"generation.{key}: only applies to generation.engine: colocate-rl (TRL's engine has "
+                                "fixed settings); remove it or set generation.engine: colocate-rl")
+    if gen.offload_trainer_during_generation:
+        zero = (deepspeed or {}).get("zero_optimization", {})
+        stage = zero.get("stage", 0)
+        if deepspeed is None or stage == 0:
+            problems.append("generation.offload_trainer_during_generation: needs DeepSpeed ZeRO stage 1-3 (DeepSpeed's "
+                            "offload_states); set distributed.deepspeed: zero3 (and distributed.zero_stage) or turn it off")
+        elif "offload_optimizer" in zero and zero["offload_optimizer"].get("device", "cpu") != "none":
+            problems.append("generation.offload_trainer_during_generation: the optimizer states already live on CPU "
+                            "(distributed.offload_optimizer); turn one of them off")
+        elif stage == 3 and "optimizer" not in deepspeed:
+            problems.append("generation.offload_trainer_during_generation: under ZeRO-3 DeepSpeed 0.19 offloads only its "
+                            "own FusedAdam's states; add an optimizer block (distributed.deepspeed_overrides: "
+                            "{optimizer: {type: AdamW, params: {lr: auto, betas: auto, eps: auto, weight_decay: auto}}}) "
+                            "or use distributed.zero_stage: 2")
+    return problems
+
+
 def resolve(recipe: Recipe, host: Host) -> Resolved:
     """Bind `recipe` to `host`; raise one UserError listing every cross-field problem."""
     problems: list[str] = []
@@ -195,18 +230,21 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
         problems.append(f"distributed.node_rank: {dist.node_rank} must be below nnodes ({dist.nnodes})")
 
     deepspeed = None
-    if dist.deepspeed is None:
+    auto_stage = dist.zero_stage == "auto"
+    if dist.deepspeed is None and not auto_stage:
         for key in ("zero_stage", "offload_optimizer", "offload_params"):
             if getattr(dist, key) is not None:
                 problems.append(f"distributed.{key}: needs a DeepSpeed config; set distributed.deepspeed: zero3")
         if dist.deepspeed_overrides:
             problems.append("distributed.deepspeed_overrides: needs a DeepSpeed config; set distributed.deepspeed")
     else:
+        from colocate_rl.autolayout import AUTO_BASE_CONFIG
         from colocate_rl.ds_config import build_deepspeed_config
 
-        try:
+        try:  # auto: checked at stage 3, where every setting applies; colocate_rl.autolayout picks the stage below
             deepspeed = build_deepspeed_config(
-                dist.deepspeed, precision=precision, zero_stage=dist.zero_stage,
+                dist.deepspeed or AUTO_BASE_CONFIG, precision=precision,
+                zero_stage=3 if auto_stage else dist.zero_stage,
                 offload_optimizer=dist.offload_optimizer, offload_params=dist.offload_params,
                 overrides=dist.deepspeed_overrides,
             )
@@ -215,8 +253,22 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
 
     layout, model_problems = _check_model(recipe)
     problems += model_problems + _check_data(recipe) + _check_rewards(recipe) + _check_extra_args(recipe)
+    # zero_stage auto: the engine's layout constraints filter the candidates instead (checked on the choice below)
+    problems += [] if auto_stage else _check_engine(recipe, deepspeed)
     if problems:
         raise UserError(*problems)
-    return Resolved(recipe=recipe, host=host, nproc_per_node=nproc, device="cuda" if has_gpu else "cpu",
-                    backend=backend, precision=precision, model_dtype=model_dtype, deepspeed=deepspeed,
-                    builtin_layout=layout)
+    resolved = Resolved(recipe=recipe, host=host, nproc_per_node=nproc, device="cuda" if has_gpu else "cpu",
+                        backend=backend, precision=precision, model_dtype=model_dtype, deepspeed=deepspeed,
+                        builtin_layout=layout, gradient_checkpointing=trainer.gradient_checkpointing is True)
+    if auto_stage or trainer.gradient_checkpointing == "auto":
+        from dataclasses import replace
+
+        from colocate_rl.autolayout import choose_layout
+
+        choice = choose_layout(resolved, min(g.memory_gib for g in host.gpus) if has_gpu else None,
+                               valid=lambda config: not _check_engine(recipe, config))
+        if auto_stage and _check_engine(recipe, choice.deepspeed):
+            raise UserError(*_check_engine(recipe, choice.deepspeed))
+        resolved = replace(resolved, deepspeed=choice.deepspeed, gradient_checkpointing=choice.gradient_checkpointing,
+                           layout_choice=choice)
+    return resolved

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 GIB = 2**30
-PHASES = ("generate", "weight_sync", "wake", "sleep", "reward", "prepare", "train", "optimizer")
+PHASES = ("generate", "weight_sync", "weight_check", "wake", "sleep", "offload", "reload", "reward", "prepare", "train",
+          "optimizer")
 TIMELINE_DIR = "timeline"
 
 
@@ -165,6 +166,10 @@ class Telemetry:
         engine = getattr(trainer, "vllm_generation", None)
         if engine is not None:
             self.wrap(engine, "sync_weights", "weight_sync")
+            # colocate-rl's engine (colocate_rl/engine.py); absent on TRL's
+            self.wrap(engine, "check_weights", "weight_check")
+            self.wrap(engine, "_offload_trainer", "offload")
+            self.wrap(engine, "_reload_trainer", "reload")
             llm = getattr(engine, "llm", None)  # colocate mode only
             if llm is not None:
                 self.wrap(llm, "wake_up", "wake")

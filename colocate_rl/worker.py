@@ -112,6 +112,10 @@ def build_trainer(run_dir: Path):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo" if launch["device"] == "cpu" else "nccl")
+    if launch.get("engine"):  # colocate-rl's own vLLM engine instead of TRL's (colocate_rl/engine.py)
+        from colocate_rl.engine import install
+
+        install(launch["engine"])
     config = Config(**launch["trl_args"])
     # The process group is up now (DeepSpeed or accelerate): all nodes must run the same recipe.
     check_same_recipe(run_dir, launch)
@@ -155,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"error: {line}\n")
             sys.stderr.flush()
         return 2
+    except Exception as e:
+        if type(e).__name__ != "StaleWeightsError":  # colocate_rl.engine's guard: its message says it all
+            raise
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
+        return 3
     return 0
 
 

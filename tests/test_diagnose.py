@@ -4,7 +4,7 @@ from colocate_rl.diagnose import diagnose
 from colocate_rl.recipe import parse_recipe
 
 RECIPE = parse_recipe({"rewards": [{"name": "digit_share"}], "generation": {"vllm_gpu_memory_utilization": 0.5,
-                                                                          "sleep_mode": False}})
+                                                                          "sleep_level": 0}})
 
 
 def test_vllm_startup_memory():
@@ -24,7 +24,7 @@ def test_kv_cache_too_small():
 def test_trainer_oom_names_the_keys():
     log = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."
     [line] = diagnose(log, RECIPE)
-    for key in ("generation.sleep_mode", "distributed.deepspeed: zero3", "trainer.gradient_checkpointing",
+    for key in ("generation.sleep_level: 2", "distributed.deepspeed: zero3", "trainer.gradient_checkpointing",
                 "trainer.per_device_train_batch_size"):
         assert key in line
 

@@ -9,6 +9,7 @@ the step peak, from the driver's view) in `gpu_runs.jsonl`.
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -69,9 +70,9 @@ def train(name: str, recipe: str, run_dir: Path, visible: str, *sets: str) -> di
 
 def test_one_gpu_sleep_mode_frees_memory_at_the_optimizer_step(tmp_path):
     off = train("1gpu-0.5b-sleep-off", "recipes/gpu-0.5b-layout.yaml", tmp_path / "off", "0",
-                "generation.sleep_mode=false")
+                "generation.sleep_level=0")
     on = train("1gpu-0.5b-sleep-on", "recipes/gpu-0.5b-layout.yaml", tmp_path / "on", "0",
-               "generation.sleep_mode=true")
+               "generation.sleep_level=2")
     # vLLM holds ~25 % of the GPU while awake; asleep (level 2) it keeps ~1 GiB.
     assert on["gpu_used_gib_at_step_end_median"] < 0.5 * off["gpu_used_gib_at_step_end_median"]
 
@@ -84,9 +85,9 @@ def test_rloo_one_gpu(tmp_path):
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_two_gpus_zero3_sleep_mode(tmp_path):
     on = train("2gpu-1.5b-zero3-sleep-on", "recipes/gpu-1.5b-layout-zero3.yaml", tmp_path / "on", "0,1",
-               "generation.sleep_mode=true")
+               "generation.sleep_level=2")
     off = train("2gpu-1.5b-zero3-sleep-off", "recipes/gpu-1.5b-layout-zero3.yaml", tmp_path / "off", "0,1",
-                "generation.sleep_mode=false")
+                "generation.sleep_level=0")
     assert on["gpu_used_gib_at_step_end_median"] < 0.5 * off["gpu_used_gib_at_step_end_median"]
 
 
@@ -100,3 +101,118 @@ def test_two_gpus_zero3_optimizer_offload(tmp_path):
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     # Adam states of 1.5B params (~18 GiB in fp32 over 2 ranks) live on CPU: less GPU memory than without offload.
     assert offload["gpu_used_gib_at_step_end_median"] < 32
+
+
+# ---------------------------------------------------------------------------------------------- colocate-rl's engine
+# GPU_TEST_ONE picks the GPU of the one-GPU engine tests (default 0), so they can run beside a benchmark.
+ONE = os.environ.get("GPU_TEST_ONE", "0")
+PLAIN = ("distributed.deepspeed=null", "distributed.zero_stage=null")
+
+
+def run_cli(run_dir: Path, visible: str, recipe: str, steps: int, *sets: str) -> tuple[int, str]:
+    """`colocate-rl train` → (exit code, console output + train.log)."""
+    args = ["train", recipe, "--run-dir", str(run_dir), "--set", f"trainer.max_steps={steps}",
+            "--set", "output.save_model=false"]
+    for item in sets:
+        args += ["--set", item]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "COLUMNS": "200"}
+    result = subprocess.run([sys.executable, "-m", "colocate_rl", *args], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=1200)
+    log = (run_dir / "train.log").read_text(errors="replace") if (run_dir / "train.log").exists() else ""
+    return result.returncode, result.stdout + result.stderr + log
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "time/step_s" in r] if path.exists() else []
+
+
+def test_engine_options_reach_vllm(tmp_path):
+    code, text = run_cli(tmp_path / "opts", ONE, "recipes/gpu-0.5b-layout.yaml", 3, *PLAIN,
+                         "generation.enforce_eager=true", "generation.enable_prefix_caching=false",
+                         "generation.kv_cache_memory=4GiB", "generation.max_num_batched_tokens=8192",
+                         "generation.max_num_seqs=96")
+    assert code == 0, text[-6000:]
+    assert "enforce_eager=True" in text and "enable_prefix_caching=False" in text
+    assert re.search(r"reserved 4(\.0+)? GiB memory for KV Cache", text), text[-6000:]
+    launch = json.loads((tmp_path / "opts" / "launch.json").read_text())
+    assert launch["engine"]["max_num_seqs"] == 96 and launch["engine"]["max_num_batched_tokens"] == 8192
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_engine_cycle_per_sleep_level(tmp_path, level):
+    run = tmp_path / f"level{level}"
+    code, text = run_cli(run, ONE, "recipes/gpu-0.5b-layout.yaml", 4, *PLAIN, "generation.enforce_eager=true",
+                         f"generation.sleep_level={level}")
+    assert code == 0, text[-6000:]
+    steps = step_records(run)
+    assert len(steps) == 4
+    for record in steps:  # every step woke, pushed, checked and slept
+        for phase in ("wake", "sleep", "weight_sync", "weight_check", "generate"):
+            assert record.get(f"time/{phase}_s", 0) > 0, (phase, record)
+    awake, asleep = map(float, re.search(r"vLLM awake ([0-9.]+) GiB, asleep \(level \d\) ([0-9.]+) GiB",
+                                         text).groups())
+    print(json.dumps({"level": level, "vllm_awake_gib": awake, "vllm_asleep_gib": asleep,
+                      "gpu_used_gib_at_step_end": [r["mem/gpu_used_gib"] for r in steps],
+                      "wake_s": [r["time/wake_s"] for r in steps], "sleep_s": [r["time/sleep_s"] for r in steps]}))
+    assert asleep < 0.1 * awake
+
+
+STALE_REWARD = """
+import colocate_rl.engine as E
+
+_push, _calls = E.ColocatedEngine._push_weights, []
+
+
+def _push_only_once(self):  # fault injected by the test: after the first push, vLLM never gets new weights
+    _calls.append(1)
+    if len(_calls) == 1:
+        _push(self)
+
+
+E.ColocatedEngine._push_weights = _push_only_once
+
+
+def reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+"""
+
+
+def test_stale_weights_stop_the_run(tmp_path):
+    reward = tmp_path / "stale_reward.py"
+    reward.write_text(STALE_REWARD)
+    code, text = run_cli(tmp_path / "stale", ONE, "recipes/gpu-0.5b-layout.yaml", 4, *PLAIN,
+                         "generation.enforce_eager=true", "generation.sleep_level=1", "trainer.learning_rate=1e-3",
+                         f"rewards=[{{name: '{reward}:reward'}}]")
+    assert code != 0
+    assert "vLLM is not generating from the trainer's current weights" in text, text[-6000:]
+    assert "model.layers.23.mlp.down_proj.weight differs" in text
+
+
+def test_trainer_offload_lets_a_larger_kv_cache_fit(tmp_path):
+    """1.5B layout, ZeRO-2 on one GPU. During generation the trainer holds ~24 GiB without offload (bf16 weights
+    2.9, fp32 master 5.7, Adam 11.5, gradients 2.9, context) and ~4.5 GiB with it; vLLM needs its weights (2.9),
+    ~2 GiB of buffers and the KV cache. A 120 GiB KV budget fits the 139.8 GiB H200 only with the offload."""
+    sets = ("distributed.deepspeed=zero3", "distributed.zero_stage=2", "generation.enforce_eager=true",
+            "generation.kv_cache_memory=120GiB", "trainer.per_device_train_batch_size=8")
+    code_off, text_off = run_cli(tmp_path / "no-offload", ONE, "recipes/gpu-1.5b-layout-zero3.yaml", 4, *sets)
+    code_on, text_on = run_cli(tmp_path / "offload", ONE, "recipes/gpu-1.5b-layout-zero3.yaml", 4, *sets,
+                               "generation.offload_trainer_during_generation=true")
+    steps = step_records(tmp_path / "offload")
+    print(json.dumps({"without_offload_exit": code_off, "without_offload_steps": len(step_records(tmp_path / "no-offload")),
+                      "with_offload_exit": code_on, "offload_s": [r.get("time/offload_s") for r in steps],
+                      "reload_s": [r.get("time/reload_s") for r in steps],
+                      "gpu_peak_gib": [r.get("mem/gpu_peak_gib") for r in steps]}))
+    assert code_on == 0, text_on[-6000:]
+    assert code_off != 0 and "out of memory" in text_off.lower(), text_off[-6000:]
+    assert all(r.get("time/offload_s", 0) > 0 and r.get("time/reload_s", 0) > 0 for r in steps[1:])
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_zero3_bucketed_sync_delivers_the_trainer_weights(tmp_path):
+    """Small buckets (64 MiB: many coalesced gathers per sync) and the weight check on every step."""
+    run = tmp_path / "z3"
+    code, text = run_cli(run, "0,1", "recipes/gpu-1.5b-layout-zero3.yaml", 4, "generation.enforce_eager=true",
+                         "generation.weight_sync_bucket_mb=64", "trainer.learning_rate=1e-4")
+    assert code == 0, text[-6000:]
+    assert all(r.get("time/weight_check_s", 0) > 0 for r in step_records(run))

@@ -37,7 +37,8 @@ def test_single_node_cpu_plan():
         "HF_HUB_OFFLINE": "1",
     }
     assert sorted(plan.files) == ["deepspeed.json", "launch.json", "launch.sh", "recipe.yaml"]
-    assert plan.builtin_model == {"layout": "tiny", "out_dir": "/runs/r1/model", "seed": 42, "dtype": "float32"}
+    assert plan.builtin_model == {"layout": "tiny", "out_dir": "/cache/colocate-rl/builtin-models/tiny-seed42-float32", "seed": 42,
+                                  "dtype": "float32", "link": "/runs/r1/model"}
     launch = json.loads(plan.files["launch.json"])
     assert launch["model_path"] == "/runs/r1/model" and launch["world_size"] == 2
     args = launch["trl_args"]
@@ -77,7 +78,7 @@ def test_multi_node_static_plan():
 
 def test_gpu_plan_turns_on_colocated_vllm():
     plan = plan_for({"generation": {"vllm_gpu_memory_utilization": 0.4, "tensor_parallel_size": 2,
-                                    "sleep_mode": True, "max_model_length": 1024}}, host=GPU8)
+                                    "sleep_level": 2, "max_model_length": 1024}}, host=GPU8)
     args = json.loads(plan.files["launch.json"])["trl_args"]
     assert {k: args[k] for k in args if k.startswith("vllm") or k in ("use_vllm", "bf16", "use_cpu")} == {
         "use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.4,

@@ -44,7 +44,7 @@ def errors_of(data, host=CPU):
         (with_(distributed={"nproc_per_node": "many"}),
          "distributed.nproc_per_node: input should be a valid integer, unable to parse string as an integer "
          "or input should be 'auto' (got 'many')"),
-        (with_(distributed={"zero_stage": 4}), "distributed.zero_stage: input should be 0, 1, 2 or 3 (got 4)"),
+        (with_(distributed={"zero_stage": 4}), "distributed.zero_stage: input should be 0, 1, 2, 3 or 'auto' (got 4)"),
         ({"rewards": [{"nam": "x"}]}, "rewards[0].name: required key is missing; add it to the recipe"),
         (with_(output={"report_to": ["tb"]}),
          "output.report_to[0]: input should be 'tensorboard', 'wandb', 'mlflow', 'trackio' or 'comet_ml' (got 'tb')"),
@@ -141,9 +141,9 @@ def test_resolution_on_cpu_and_gpu():
 
 def test_overrides_take_precedence_and_are_yaml_typed():
     data = apply_overrides(MINIMAL, ["trainer.max_steps=7", "trainer.extra_args.scale_rewards=none",
-                                     "generation.sleep_mode=false", "model.name=builtin:tiny"])
+                                     "generation.sleep_level=0", "model.name=builtin:tiny"])
     recipe = parse_recipe(data)
-    assert recipe.trainer.max_steps == 7 and recipe.generation.sleep_mode is False
+    assert recipe.trainer.max_steps == 7 and recipe.generation.sleep_level == 0
     assert recipe.trainer.extra_args == {"scale_rewards": "none"}
     assert MINIMAL == {"rewards": [{"name": "digit_share"}]}  # the input is not mutated
 

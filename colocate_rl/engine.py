@@ -1,0 +1,296 @@
+"""colocate-rl's colocated vLLM engine: TRL 1.16's `VLLMGeneration` with the engine's lifecycle owned here.
+
+`install(options)` makes TRL's GRPO and RLOO trainers build `ColocatedEngine` instead of TRL's class (trl is
+pinned exactly: this relies on its internals). Per step, on every rank, the cycle is:
+
+    trainer cache emptied → wake weights → push the trainer's weights (bucketed) → check them → reset the prefix
+    cache → [offload trainer states] → wake KV cache → generate → sleep → cache emptied → [reload trainer states]
+
+- Sleep level (`generation.sleep_level`): 0 = vLLM keeps its memory; 1 = weights copied to CPU, KV cache freed;
+  2 = weights and KV cache freed (default: cheapest to sleep and wake; the push refills the weights anyway).
+  Weights are never reloaded from disk after a wake: that would silently generate from the base model.
+- Weight push: parameters are taken in buckets of at most `bucket_bytes` (sized by each parameter's full element
+  count: an un-gathered ZeRO-3 parameter reports `numel() == 0`); under ZeRO-3 a bucket is gathered in one
+  coalesced collective, and each bucket is loaded into vLLM in one `load_weights` call. The sync's extra memory is
+  bounded by one bucket.
+- Trainer offload (`offload_trainer`): DeepSpeed's `offload_states` moves the optimizer states, fp32 master
+  weights and gradients to CPU while vLLM's KV cache is awake, `reload_states` brings them back after.
+- Weight check (`check_weights`): after each push a few tensors of vLLM's model are compared with what the
+  trainer pushed; a mismatch raises `StaleWeightsError` (the run stops).
+
+Every step of the cycle is a method (`_wake`, `_sleep`, `sync_weights`, `_offload_trainer`, `_reload_trainer`)
+that `colocate_rl.telemetry` times as a phase. Importing this module needs TRL but not vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from trl.generation.vllm_generation import VLLMGeneration, empty_cache
+
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "sleep_level": 2,
+    "kv_cache_memory_bytes": None,
+    "enforce_eager": False,
+    "max_num_seqs": None,
+    "max_num_batched_tokens": 4096,
+    "enable_prefix_caching": True,
+    "bucket_bytes": 1024 * 2**20,
+    "offload_trainer": False,
+    "check_weights": True,
+}
+# The trainer states moved out of the GPU during generation. Not the bf16 parameters: ZeRO-3 needs them for the
+# push and the trainer for the log-probabilities right after generation, and vLLM has its own copy.
+OFFLOADED_STATES = ("optim_states", "hp_params", "lp_grads", "contiguous_grad_buffer")
+
+
+class StaleWeightsError(RuntimeError):
+    """vLLM is not generating from the trainer's current weights."""
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """Elements of the whole parameter, also when ZeRO-3 holds only a shard (`ds_numel`)."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def weight_buckets(named_params: Iterable[tuple[str, torch.Tensor]],
+                   bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of parameters of at most `bucket_bytes` each (a larger parameter gets its own group)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, param in named_params:
+        nbytes = full_numel(param) * param.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, param))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def check_names(names: list[str], tensor_parallel_size: int) -> list[str]:
+    """Parameters compared after each push: the final norm and the first and last layers' input norms (replicated
+    under tensor parallelism), plus the last layer's MLP down projection when vLLM does not shard it."""
+    layers = sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()})
+    wanted = ["model.norm.weight"]
+    if layers:
+        wanted += [f"model.layers.{layers[0]}.input_layernorm.weight", f"model.layers.{layers[-1]}.input_layernorm.weight"]
+        if tensor_parallel_size == 1:
+            wanted.append(f"model.layers.{layers[-1]}.mlp.down_proj.weight")
+    present = set(names)
+    return [n for n in wanted if n in present]
+
+
+def compare_weights(pushed: dict[str, torch.Tensor], engine_params: dict[str, torch.Tensor]) -> list[str]:
+    """Problems found comparing pushed tensors with the engine's (missing or different), as text."""
+    problems = []
+    for name, expected in pushed.items():
+        actual = engine_params.get(name)
+        if actual is None:
+            problems.append(f"{name} not found in vLLM's model")
+            continue
+        expected = expected.to(device=actual.device, dtype=actual.dtype)
+        if actual.shape != expected.shape:
+            problems.append(f"{name} has shape {tuple(actual.shape)} in vLLM, {tuple(expected.shape)} in the trainer")
+        elif not torch.equal(actual, expected):
+            diff = (actual.float() - expected.float()).abs().max().item()
+            problems.append(f"{name} differs (max abs difference {diff:.3g})")
+    return problems
+
+
+class ColocatedEngine(VLLMGeneration):
+    """TRL's colocated generation backend with colocate-rl's engine options, sleep levels, bucketed weight push,
+    trainer offload and weight check. Server mode falls through to TRL unchanged."""
+
+    options: dict[str, Any] = DEFAULT_OPTIONS
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.sleep_level = int(self.options["sleep_level"])
+        self._asleep: set[str] = set()  # vLLM memory tags currently released
+        self._weights_valid = True  # vLLM's weights equal the trainer's last push (or the checkpoint, at start)
+        self._offloaded = False
+        self.last_check: list[str] = []  # parameters compared after the last push
+        if self.options["max_num_seqs"]:
+            kwargs["max_num_seqs"] = self.options["max_num_seqs"]
+        # TRL's own wake/sleep calls stay off: this class sleeps and wakes the engine itself.
+        kwargs["enable_sleep_mode"] = False
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ engine start
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """Arguments of `vllm.LLM` for this rank (TRL's fixed ones plus the recipe's engine options)."""
+        o, accelerator = self.options, self.accelerator
+        kwargs = dict(
+            model=self.model.name_or_path,
+            tensor_parallel_size=self.tensor_parallel_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_model_len=self.max_model_length,
+            max_num_seqs=self.max_num_seqs,
+            enable_sleep_mode=self.sleep_level > 0,
+            model_impl=self.model_impl,
+            distributed_executor_backend="external_launcher",
+            seed=accelerator.process_index // self.tensor_parallel_size,  # same sampling inside a TP group
+            max_num_batched_tokens=o["max_num_batched_tokens"],
+            logprobs_mode="processed_logprobs",  # the importance-sampling correction needs processed logprobs
+            trust_remote_code=self.trust_remote_code,
+            enforce_eager=o["enforce_eager"],
+            enable_prefix_caching=o["enable_prefix_caching"],
+        )
+        if o["kv_cache_memory_bytes"]:
+            kwargs["kv_cache_memory_bytes"] = int(o["kv_cache_memory_bytes"])
+        return kwargs
+
+    def _init_vllm(self) -> None:
+        if self.mode != "colocate":
+            return super()._init_vllm()
+        from trl.trainer.utils import ensure_master_addr_port
+        from vllm import LLM
+
+        accelerator = self.accelerator
+        if accelerator.num_processes % self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must divide the world size "
+                             f"({accelerator.num_processes})")
+        if self.tensor_parallel_size > 1:
+            tp = self.tensor_parallel_size
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+                [list(range(i * tp, (i + 1) * tp)) for i in range(accelerator.num_processes // tp)])
+        os.environ["RANK"] = str(accelerator.process_index)  # vLLM's external launcher reads these
+        os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
+        os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
+        ensure_master_addr_port()
+        free_before, _ = torch.cuda.mem_get_info()
+        self.llm = LLM(**self.llm_kwargs())
+        awake = free_before - torch.cuda.mem_get_info()[0]
+        line = f"[colocate-rl engine] rank {accelerator.process_index}: vLLM awake {awake / 2**30:.3f} GiB"
+        if self.sleep_level:
+            self._sleep()
+            asleep = free_before - torch.cuda.mem_get_info()[0]
+            line += f", asleep (level {self.sleep_level}) {asleep / 2**30:.3f} GiB"
+        print(line, flush=True)  # GPU memory this engine takes, by the driver's count (benchmarks read it)
+        accelerator.wait_for_everyone()
+
+    # ------------------------------------------------------------------ the cycle
+
+    def _wake(self, tags: list[str]) -> None:
+        self.llm.wake_up(tags=tags)
+        self._asleep.difference_update(tags)
+
+    def _sleep(self) -> None:
+        self.llm.sleep(level=self.sleep_level)
+        empty_cache()  # blocks vLLM's forward left in torch's cache go back to the driver too
+        self._asleep = {"weights", "kv_cache"}
+        if self.sleep_level == 2:
+            self._weights_valid = False  # discarded: only a push may refill them
+
+    def _engine_model(self):
+        return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+    def _named_params_for_push(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(vLLM name, parameter) of the trainer's model, not gathered."""
+        for name, param in self.model.named_parameters():
+            yield self._fix_param_name_to_vllm(name), param
+
+    def _push_weights(self) -> None:
+        """Load the trainer's current weights into vLLM, bucket by bucket."""
+        from accelerate.utils import is_peft_model
+
+        engine_model = self._engine_model()
+        if is_peft_model(self.model) or self._dist.is_fsdp:
+            # Adapters must be merged over the whole model first: TRL's iterator does that; loads stay bucketed.
+            for bucket in weight_buckets(self._iter_named_params(), self.options["bucket_bytes"]):
+                engine_model.load_weights(bucket)
+            return
+        for bucket in weight_buckets(self._named_params_for_push(), self.options["bucket_bytes"]):
+            with self._dist.gather_params([p for _, p in bucket]):
+                engine_model.load_weights([(name, p.data) for name, p in bucket])
+
+    def sync_weights(self) -> None:
+        """Wake vLLM's weights, push the trainer's, check them and reset the prefix cache."""
+        if self.mode != "colocate":
+            return super().sync_weights()
+        if "weights" in self._asleep:
+            empty_cache()  # hand the trainer's cached blocks to the driver before vLLM maps its weights again
+            self._wake(["weights"])
+        self._push_weights()
+        if self.options["check_weights"]:
+            self.check_weights()
+        self._weights_valid = True
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    def check_weights(self) -> None:
+        """Compare a few of vLLM's tensors with the trainer's current ones (gathered under ZeRO-3, independently
+        of the push); raise StaleWeightsError on any difference. PEFT and FSDP models are not checked."""
+        from accelerate.utils import is_peft_model
+
+        if is_peft_model(self.model) or self._dist.is_fsdp:
+            return
+        params = dict(self._named_params_for_push())
+        names = check_names(list(params), self.tensor_parallel_size)
+        with self._dist.gather_params([params[n] for n in names]):
+            trainer = {n: params[n].data.detach().clone() for n in names}
+        self.last_check = names
+        problems = compare_weights(trainer, dict(self._engine_model().named_parameters()))
+        if problems:
+            raise StaleWeightsError(
+                "vLLM is not generating from the trainer's current weights after the weight sync: "
+                + "; ".join(problems) + ". Stopping: training on these samples would optimise a stale policy "
+                "(generation.check_weights: false turns this check off)")
+
+    def _deepspeed_engine(self):
+        engine = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        return getattr(engine, "engine", None)
+
+    def _offload_trainer(self) -> None:
+        if not self.options["offload_trainer"]:
+            return
+        engine = self._deepspeed_engine()
+        if engine is None or engine.optimizer is None:
+            return  # before the first step DeepSpeed has not been prepared yet: nothing to offload
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+        engine.offload_states(include=[OffloadStateTypeEnum(s) for s in OFFLOADED_STATES])
+        empty_cache()
+        self._offloaded = True
+
+    def _reload_trainer(self) -> None:
+        if self._offloaded:
+            self._deepspeed_engine().reload_states()
+            self._offloaded = False
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        """One generation inside the cycle; TRL's `generate` does the batching, TP slicing and logprobs."""
+        if self.mode != "colocate":
+            return super().generate(prompts, images, num_generations, profiler)
+        if not self._weights_valid:
+            self.sync_weights()  # level 2 dropped them since the last push (e.g. a second generation per step)
+        elif "weights" in self._asleep:
+            empty_cache()
+            self._wake(["weights"])  # level 1: restored from CPU, equal to the last push
+        self._offload_trainer()
+        try:
+            if "kv_cache" in self._asleep:
+                self._wake(["kv_cache"])
+            return super().generate(prompts, images, num_generations, profiler)
+        finally:
+            if self.sleep_level:
+                self._sleep()
+            self._reload_trainer()
+
+
+def install(options: dict[str, Any]) -> type[ColocatedEngine]:
+    """Make TRL's GRPO and RLOO trainers construct a ColocatedEngine configured with `options`."""
+    import trl.trainer.grpo_trainer as grpo
+    import trl.trainer.rloo_trainer as rloo
+
+    unknown = set(options) - set(DEFAULT_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown engine options: {sorted(unknown)}")
+    engine = type("ColocatedEngine", (ColocatedEngine,), {"options": {**DEFAULT_OPTIONS, **options}})
+    grpo.VLLMGeneration = engine
+    rloo.VLLMGeneration = engine
+    return engine

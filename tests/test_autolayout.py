@@ -1,0 +1,277 @@
+"""`distributed.zero_stage: auto` / `trainer.gradient_checkpointing: auto` (colocate_rl/autolayout.py): the choice
+per layout and GPU size (table-driven, real estimate arithmetic), explicit settings winning, no-GPU planning, the
+plan and CLI output reflecting the choice, the measured-mode hook, and the benchmark script's dry run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colocate_rl import autolayout as A
+from colocate_rl.host import assumed_host
+from colocate_rl.plan import make_plan
+from colocate_rl.recipe import load_recipe
+from colocate_rl.resolve import resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+H200 = 143_771 / 1024  # GiB, as NVML reports an H200
+AUTO = ("distributed.zero_stage=auto", "trainer.gradient_checkpointing=auto")
+
+
+def resolved(recipe: str, gpus: int, gib: float, *sets: str):
+    return resolve(load_recipe(ROOT / "recipes" / f"{recipe}.yaml", list(sets)), assumed_host(gpus, gib))
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "colocate_rl", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+
+
+# recipe, GPUs per node, GiB per GPU, extra --set → chosen layout label (stage, offload, checkpointing)
+@pytest.mark.parametrize("recipe, gpus, gib, sets, chosen", [
+    # the reference run of issue 8: 1.5B layout, 2 H200s, 32 completions per step → ZeRO-2, no checkpointing
+    ("gpu-1.5b-layout-zero3", 2, H200, ["distributed.deepspeed=null", "trainer.per_device_train_batch_size=16"],
+     "ZeRO-2"),
+    ("gpu-0.5b-layout", 1, 80.0, [], "ZeRO-2"),
+    # hand-checked below: the same 1.5B layout on 2 GPUs of 24 GiB needs checkpointing, and ZeRO-2 then fits
+    ("gpu-1.5b-layout-zero3", 2, 24.0, ["distributed.deepspeed=null"], "ZeRO-2, checkpointing"),
+    # 7B layout, 1024-token completions, 1 GPU: 14 GiB weights + 14 grads + 85 fp32 master/Adam never fit with
+    # vLLM's share beside them, so ZeRO-2/3 without offload are out; the H200 fits optimizer offload without
+    # checkpointing, 80 GiB needs checkpointing too
+    ("gpu-7b-layout-1gpu", 1, H200, [], "ZeRO-3 + offload optimizer"),
+    ("gpu-7b-layout-1gpu", 1, 80.0, [], "ZeRO-3 + offload optimizer, checkpointing"),
+    # more ranks shard the optimizer states: 8 × 80 GiB takes ZeRO-2 again, with checkpointing
+    ("gpu-7b-layout-1gpu", 8, 80.0, ["distributed.nproc_per_node=8"], "ZeRO-2, checkpointing"),
+    ("qwen2.5-7b-grpo", 8, H200, [], "ZeRO-2"),
+    ("gpu-0.5b-layout", 1, 12.0, [], "ZeRO-3 + offload optimizer, checkpointing"),
+    # nothing fits: the last (most frugal) candidate, mem-probe explains the rest
+    ("gpu-0.5b-layout", 1, 4.0, [], "ZeRO-3 + offload optimizer and params, checkpointing"),
+])
+def test_choice_by_layout_and_gpu_memory(recipe, gpus, gib, sets, chosen):
+    r = resolved(recipe, gpus, gib, *AUTO, *sets)
+    c = r.layout_choice
+    assert c.chosen.label == chosen, "\n".join(c.lines())
+    assert c.limit_gib == pytest.approx(gib * (1 - A.MARGIN))
+    # the chosen is the first that fits; every earlier candidate is estimated above the limit
+    index = [t.candidate for t in c.tried].index(c.chosen)
+    assert all(not t.fits for t in c.tried[:index])
+    assert c.tried[index].fits or index == len(c.tried) - 1
+    # the resolved recipe carries it: DeepSpeed JSON and the trainer's checkpointing
+    zero = r.deepspeed["zero_optimization"]
+    assert zero["stage"] == c.chosen.stage and ("offload_optimizer" in zero) == c.chosen.offload_optimizer
+    assert ("offload_param" in zero) == c.chosen.offload_params
+    assert r.gradient_checkpointing is c.chosen.gradient_checkpointing
+
+
+def test_hand_checked_case():
+    """1.5B layout (1,543,714,304 params), 2 GPUs of 24 GiB, bf16, micro-batch 8, completion 256, max_model_length 512
+    (so 512 tokens per sequence), vLLM share 0.25, sleep on. Limit 24 × 0.9 = 21.6 GiB.
+    ZeRO-2 without checkpointing, training phase (vLLM asleep):
+      context 0.5 + weights 2N = 2.875 + grads 2N/2 = 1.438 + fp32 master and Adam 12N/2 = 8.626
+      + activations 8 × 512 tokens × 28 layers × 2 B × (8·1536 + 3·1536 + 2·256 + 4·8960) = 11.375
+      + logits 8 × 257 × 151,936 × 4 B = 1.164 + sleep residue 1.2 = 27.18 GiB > 21.6: too big.
+    ZeRO-2 with checkpointing: training keeps layer inputs (28 × 2 × 1536 B/token) plus one layer → 16.54; generation
+      holds the trainer's 0.5 + 2.875 + 1.438 + 8.626 beside vLLM's share 0.25 × 24 = 6 → 19.44 GiB ≤ 21.6: fits."""
+    c = resolved("gpu-1.5b-layout-zero3", 2, 24.0, *AUTO, "distributed.deepspeed=null").layout_choice
+    n = 1_543_714_304
+    state = 0.5 + (2 * n + n + 6 * n) / GIB
+    act = 8 * 512 * 28 * 2 * (8 * 1536 + 3 * 1536 + 2 * 256 + 4 * 8960) / GIB
+    logits = 8 * 257 * 151_936 * 4 / GIB
+    first, second = c.tried[:2]
+    assert first.candidate.label == "ZeRO-2" and first.peak_phase == "training"
+    assert first.peak_gib == pytest.approx(state + act + logits + 1.2) and round(first.peak_gib, 2) == 27.18
+    assert second.candidate.label == "ZeRO-2, checkpointing" and second.peak_phase == "generation"
+    assert second.peak_gib == pytest.approx(state + 0.25 * 24) and round(second.peak_gib, 2) == 19.44
+    assert c.chosen == second.candidate and "the first that fits (19.44 ≤ 21.6 GiB)" in c.reason
+
+
+def test_candidate_order_is_by_speed_and_checkpointing_is_tried_within_a_stage():
+    c = resolved("gpu-0.5b-layout", 1, 80.0, *AUTO).layout_choice
+    assert [t.candidate.label for t in c.tried] == [
+        "ZeRO-2", "ZeRO-2, checkpointing", "ZeRO-3", "ZeRO-3, checkpointing", "ZeRO-3 + offload optimizer",
+        "ZeRO-3 + offload optimizer, checkpointing", "ZeRO-3 + offload optimizer and params",
+        "ZeRO-3 + offload optimizer and params, checkpointing"]
+    only_stage = resolved("gpu-0.5b-layout", 1, 80.0, "distributed.zero_stage=auto",
+                          "trainer.gradient_checkpointing=false").layout_choice
+    assert [t.candidate.label for t in only_stage.tried] == [
+        "ZeRO-2", "ZeRO-3", "ZeRO-3 + offload optimizer", "ZeRO-3 + offload optimizer and params"]
+    assert only_stage.auto_keys == ("distributed.zero_stage",)
+
+
+@pytest.mark.parametrize("sets, labels, chosen", [
+    # explicit stage: only checkpointing is chosen
+    (["distributed.deepspeed=zero3", "distributed.zero_stage=3", "trainer.gradient_checkpointing=auto"],
+     ["ZeRO-3", "ZeRO-3, checkpointing"], "ZeRO-3, checkpointing"),
+    # explicit DDP with checkpointing auto
+    (["distributed.zero_stage=null", "trainer.gradient_checkpointing=auto"], ["DDP", "DDP, checkpointing"],
+     "DDP, checkpointing"),
+    # explicit checkpointing on: every candidate has it
+    (["distributed.zero_stage=auto", "trainer.gradient_checkpointing=true"],
+     ["ZeRO-2, checkpointing", "ZeRO-3, checkpointing", "ZeRO-3 + offload optimizer, checkpointing",
+      "ZeRO-3 + offload optimizer and params, checkpointing"], "ZeRO-3 + offload optimizer, checkpointing"),
+    # explicit optimizer offload: applied to every candidate (duplicates drop out)
+    (["distributed.zero_stage=auto", "trainer.gradient_checkpointing=false", "distributed.offload_optimizer=true"],
+     ["ZeRO-2 + offload optimizer", "ZeRO-3 + offload optimizer", "ZeRO-3 + offload optimizer and params"],
+     "ZeRO-3 + offload optimizer and params"),
+    # explicit parameter offload: ZeRO-2 cannot, so it is not a candidate
+    (["distributed.zero_stage=auto", "trainer.gradient_checkpointing=false", "distributed.offload_params=true"],
+     ["ZeRO-3 + offload params", "ZeRO-3 + offload optimizer and params"], "ZeRO-3 + offload optimizer and params"),
+    # a named config with optimizer offload keeps it (explicit)
+    (["distributed.zero_stage=auto", "trainer.gradient_checkpointing=false",
+      "distributed.deepspeed=zero3_offload_optimizer"],
+     ["ZeRO-2 + offload optimizer", "ZeRO-3 + offload optimizer", "ZeRO-3 + offload optimizer and params"],
+     "ZeRO-3 + offload optimizer and params"),
+])
+def test_explicit_settings_win(sets, labels, chosen):
+    # 0.5B layout on a 12 GiB GPU: tight enough that the choice moves down the list
+    c = resolved("gpu-0.5b-layout", 1, 12.0, *sets).layout_choice
+    assert [t.candidate.label for t in c.tried] == labels, "\n".join(c.lines())
+    assert c.chosen.label == chosen, "\n".join(c.lines())
+
+
+def test_nothing_auto_means_no_choice_and_the_recipe_as_written():
+    r = resolved("gpu-1.5b-layout-zero3", 2, 80.0)
+    assert r.layout_choice is None and r.deepspeed["zero_optimization"]["stage"] == 3
+    assert r.gradient_checkpointing is False
+    r = resolved("gpu-1.5b-layout-zero3", 2, 80.0, "trainer.gradient_checkpointing=true")
+    assert r.layout_choice is None and r.gradient_checkpointing is True
+
+
+def test_without_a_gpu_the_first_candidate_and_no_limit():
+    from colocate_rl.host import Host
+
+    r = resolve(load_recipe(ROOT / "recipes" / "gpu-0.5b-layout.yaml"), Host(cpu_count=4))
+    c = r.layout_choice
+    assert r.device == "cpu" and c.gpu_gib is None and c.limit_gib is None
+    assert c.chosen.label == "ZeRO-2" and not r.gradient_checkpointing
+    assert r.deepspeed["zero_optimization"]["stage"] == 2 and r.deepspeed["bf16"]["enabled"] is False
+    assert "no memory limit was assumed" in c.reason and all(t.peak_gib is None for t in c.tried)
+
+
+def test_unknown_layout_on_a_gpu_takes_the_safe_zero3():
+    r = resolved("gpu-0.5b-layout", 1, 80.0, "model.name=someone/unknown-model")
+    assert r.layout_choice.chosen.label == "ZeRO-3, checkpointing"
+    assert "no estimate (model.name: no layout known" in r.layout_choice.reason
+
+
+def test_plan_files_reflect_the_choice(tmp_path):
+    r = resolved("gpu-1.5b-layout-zero3", 2, 24.0, *AUTO, "distributed.deepspeed=null")
+    plan = make_plan(r, run_dir=tmp_path / "run", python="python", cwd=tmp_path, cache_dir=tmp_path, base_env={})
+    ds = json.loads(plan.files["deepspeed.json"])
+    assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"]["enabled"] is True
+    args = json.loads(plan.files["launch.json"])["trl_args"]
+    assert args["gradient_checkpointing"] is True and args["deepspeed"].endswith("deepspeed.json")
+    # the recipe written to the run keeps `auto` (it re-decides the same way on the same GPUs)
+    assert "zero_stage: auto" in plan.files["recipe.yaml"]
+
+
+def test_train_dry_run_and_validate_say_what_auto_chose():
+    result = cli("train", "gpu-7b-layout-1gpu", "--dry-run", "--gpus", "1", "--gpu-memory", str(H200))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "# distributed.zero_stage and trainer.gradient_checkpointing auto: estimated peak per GPU vs 126.4 GiB " \
+           "(140.4 GiB less 10% margin), fastest first" in lines
+    assert any(x.startswith("#   ZeRO-2 ") and x.endswith("too big") for x in lines)
+    assert any(x.startswith("#   ZeRO-3 + offload optimizer ") and x.endswith("fits  ← chosen") for x in lines)
+    assert "# chosen: ZeRO-3 + offload optimizer — the first that fits (98.65 ≤ 126.4 GiB)" in lines
+    assert lines[-1].startswith("OMP_NUM_THREADS=")  # the command stays last
+    shown = cli("validate", "gpu-7b-layout-1gpu", "--gpus", "1", "--gpu-memory", "80")
+    assert shown.returncode == 0, shown.stderr
+    assert "ZeRO-3 + offload optimizer, checkpointing (auto)" in shown.stdout
+    assert "chosen: ZeRO-3 + offload optimizer, checkpointing — the first that fits" in shown.stdout
+
+
+def test_mem_probe_shows_and_returns_the_choice():
+    shown = cli("mem-probe", "gpu-7b-layout-1gpu", "--estimate", "--gpus", "1", "--gpu-memory", str(H200))
+    assert shown.returncode == 0, shown.stderr
+    assert "chosen: ZeRO-3 + offload optimizer — the first that fits" in shown.stdout
+    data = json.loads(cli("mem-probe", "gpu-7b-layout-1gpu", "--estimate", "--gpus", "1", "--gpu-memory",
+                          str(H200), "--json").stdout)
+    choice = data["layout_choice"]
+    assert choice["chosen"] == {"label": "ZeRO-3 + offload optimizer", "zero_stage": 3, "offload_optimizer": True,
+                                "offload_params": False, "gradient_checkpointing": False}
+    assert choice["margin"] == A.MARGIN and choice["limit_gib"] == pytest.approx(H200 * 0.9, abs=1e-3)
+    assert [x["fits"] for x in choice["candidates"]][:5] == [False, False, False, False, True]
+    # the estimate table is of the chosen layout: optimizer states and the step live on the CPU
+    assert not [t for t in data["terms"] if t.startswith(("optimizer states", "optimizer step"))]
+
+
+def test_confirm_choice_for_the_measured_mode():
+    c = resolved("gpu-1.5b-layout-zero3", 2, 24.0, *AUTO, "distributed.deepspeed=null").layout_choice
+    ok, line = A.confirm_choice(c, 18.0)
+    assert ok and line.startswith("ZeRO-2, checkpointing confirmed: measured peak 18.00 GiB (estimated 19.44")
+    ok, line = A.confirm_choice(c, 23.0)
+    assert not ok and "exceeds the limit 21.6 GiB" in line and line.endswith("set distributed.zero_stage: 3")
+
+
+def test_shipped_gpu_recipes_use_auto_where_it_is_safe():
+    for name in ("gpu-0.5b-layout", "gpu-7b-layout-1gpu", "qwen2.5-1.5b-grpo-gsm8k", "qwen2.5-1.5b-rloo-gsm8k",
+                 "qwen2.5-7b-grpo", "qwen2.5-72b-grpo-colocate"):
+        assert load_recipe(ROOT / "recipes" / f"{name}.yaml").distributed.zero_stage == "auto", name
+    # the forced references stay forced
+    assert load_recipe(ROOT / "recipes" / "gpu-1.5b-layout-zero3.yaml").distributed.zero_stage is None
+    assert load_recipe(ROOT / "recipes" / "quickstart.yaml").distributed.deepspeed == "zero3"
+
+
+def test_bench_script_dry_run_prints_every_row(tmp_path):
+    out = tmp_path / "bench"
+    result = subprocess.run([sys.executable, "scripts/bench_layouts.py", "--out", str(out), "--dry-run", "--steps",
+                             "12"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert not out.exists(), "a dry run writes nothing"
+    text = result.stdout
+    for row in ("auto", "zero3", "zero2", "ddp", "server", "auto-256", "zero3-256"):
+        assert f"# {row}\n" in text or f"# {row} (" in text
+    common = ("--set trainer.max_steps=12 --set trainer.per_device_train_batch_size=16 --set trainer.num_generations=8 "
+              "--set trainer.max_completion_length=256")
+    colocated = [x for x in text.splitlines() if " -m colocate_rl train " in x]
+    assert len(colocated) == 6 and all(x.startswith("CUDA_VISIBLE_DEVICES=0,1 ") and common in x for x in colocated)
+    assert "--set distributed.zero_stage=auto --set trainer.gradient_checkpointing=auto" in colocated[0]
+    assert colocated[1].endswith("--set distributed.deepspeed=zero3 --set distributed.zero_stage=3")
+    assert colocated[2].endswith("--set distributed.zero_stage=2")
+    assert colocated[3].endswith("--set distributed.deepspeed=null --set distributed.zero_stage=null")
+    assert colocated[4].endswith("--set trainer.gradient_accumulation_steps=8")  # 16 × 2 ranks × 8 = 256
+    assert f"CUDA_VISIBLE_DEVICES=1 {Path(sys.executable).with_name('trl')} vllm-serve --model " in text
+    assert "CUDA_VISIBLE_DEVICES=0 HF_HUB_OFFLINE=1 " in text and "--nproc-per-node 1" in text
+    assert "http://127.0.0.1:8765 12" in text
+    bad = subprocess.run([sys.executable, "scripts/bench_layouts.py", "--out", str(out), "--rows", "zero5",
+                          "--dry-run"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "unknown rows ['zero5']" in bad.stderr
+
+
+def test_bench_results_from_metrics(tmp_path):
+    """The s/step statistic: median of wall_s differences after the first step; time/* medians likewise."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_layouts as B
+    finally:
+        sys.path.pop(0)
+    run = tmp_path / "run"
+    run.mkdir()
+    walls = [10.0, 11.5, 13.0, 14.2, 15.9]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "wall_s": w, "time/train_s": 0.1 * (i + 1)})
+                                               + "\n" for i, w in enumerate(walls))
+                                       + json.dumps({"step": 5, "wall_s": 16.0, "train_runtime": 16.0}) + "\n")
+    stats = B.step_stats(run)
+    assert stats["median_s_per_step"] == pytest.approx(1.5)  # diffs 1.5, 1.5, 1.2, 1.7
+    assert stats["times"] == {"time/train_s": 0.35} and stats["steps_logged"] == 5
+    table = B.markdown([{"row": "zero3", "completions_per_step": 32, "ok": True, "median_s_per_step": 3.0, "times": {}},
+                        {"row": "auto", "completions_per_step": 32, "ok": True, "median_s_per_step": 1.5,
+                         "times": {}}])
+    assert "| auto | 32 |  | 1.500 | 2.00 |" in table and "auto vs forced ZeRO-3 (32 completions/step): 2.00×" in table
+
+
+def test_engine_trainer_offload_keeps_only_layouts_it_supports():
+    # generation.offload_trainer_during_generation needs the optimizer states on the GPU and, under ZeRO-3, an
+    # optimizer block: auto keeps ZeRO-2 only (here nothing fits 12 GiB, so its last candidate)
+    r = resolved("gpu-0.5b-layout", 1, 12.0, "generation.offload_trainer_during_generation=true")
+    assert [t.candidate.label for t in r.layout_choice.tried] == ["ZeRO-2", "ZeRO-2, checkpointing"]
+    from colocate_rl.errors import UserError
+
+    with pytest.raises(UserError, match="the optimizer states already live on CPU"):
+        resolved("gpu-0.5b-layout", 1, 12.0, "generation.offload_trainer_during_generation=true",
+                 "distributed.offload_optimizer=true")

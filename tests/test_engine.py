@@ -1,0 +1,320 @@
+"""colocate-rl's colocated engine (colocate_rl/engine.py) without a GPU.
+
+vLLM cannot be installed on CPU machines, so `FakeLLM` stands in for `vllm.LLM`: it records the lifecycle calls
+(wake_up, sleep, reset_prefix_cache) and its "model" is a copy of the trainer's model whose `load_weights`
+copies tensors by name (real vLLM fuses q/k/v and gate/up; the names checked by the engine are unfused ones).
+Everything else is real: TRL's VLLMGeneration base class and DistributedBackend, torch modules, and in the
+ZeRO-3 test real DeepSpeed partitioning over two torchrun ranks (gloo). The GPU tests run the real vLLM.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from colocate_rl import engine as E
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_model(seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config)
+
+
+class FakeVllmModel(torch.nn.Module):
+    def __init__(self, model, events):
+        super().__init__()
+        self.inner = copy.deepcopy(model)
+        self.events = events
+        self.loads = []
+        self.drop = False  # simulate a push that never reaches vLLM
+
+    def named_parameters(self, *args, **kwargs):
+        return self.inner.named_parameters(*args, **kwargs)
+
+    def load_weights(self, weights):
+        weights = list(weights)
+        self.loads.append([name for name, _ in weights])
+        self.events.append(("load", len(weights)))
+        if self.drop:
+            return
+        params = dict(self.inner.named_parameters())
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+
+
+class FakeLLM:
+    def __init__(self, model, events):
+        self.events = events
+        runner = type("Runner", (), {})()
+        runner.model = FakeVllmModel(model, events)
+        self.llm_engine = type("Eng", (), {})()
+        self.llm_engine.model_executor = type("Exec", (), {})()
+        self.llm_engine.model_executor.driver_worker = type("W", (), {"model_runner": runner})()
+
+    @property
+    def vllm_model(self):
+        return self.llm_engine.model_executor.driver_worker.model_runner.model
+
+    def wake_up(self, tags=None):
+        self.events.append(("wake", tuple(tags)))
+
+    def sleep(self, level=1):
+        self.events.append(("sleep", level))
+
+    def reset_prefix_cache(self):
+        self.events.append(("reset_prefix_cache",))
+
+
+def make_engine(monkeypatch, model, events, **options):
+    """A ColocatedEngine as TRL's trainer holds it after `_init_vllm`, without running vLLM's constructor."""
+    from trl.distributed import DistributedBackend
+
+    cls = type("ColocatedEngine", (E.ColocatedEngine,), {"options": {**E.DEFAULT_OPTIONS, **options}})
+    eng = object.__new__(cls)
+    dist = object.__new__(DistributedBackend)
+    dist.zero_stage, dist.fsdp_version = 0, None
+    eng.mode, eng.model, eng._dist, eng.tensor_parallel_size = "colocate", model, dist, 1
+    eng.sleep_level = eng.options["sleep_level"]
+    eng._asleep, eng._weights_valid, eng._offloaded, eng.last_check = set(), True, False, []
+    eng.llm = FakeLLM(model, events)
+    if eng.sleep_level:
+        eng._sleep()  # as _init_vllm does right after the engine starts
+    events.clear()
+
+    def parent_generate(self, prompts, images, num_generations, profiler=None):
+        events.append(("generate", len(prompts)))
+        return [[1]], [[2]], None, None
+
+    monkeypatch.setattr(E.VLLMGeneration, "generate", parent_generate)
+    monkeypatch.setattr(E, "empty_cache", lambda: events.append(("empty_cache",)))
+    return eng
+
+
+# ---------------------------------------------------------------------------------------------- pure helpers
+
+
+class Sharded(torch.nn.Parameter):
+    """A parameter that, like an un-gathered ZeRO-3 one, holds no elements but knows its full size."""
+
+
+def test_buckets_are_bounded_by_bytes_and_use_the_full_size_of_sharded_parameters():
+    params = [(f"p{i}", torch.zeros(256, dtype=torch.bfloat16)) for i in range(5)]  # 512 bytes each
+    assert [[n for n, _ in b] for b in E.weight_buckets(params, 1024)] == [["p0", "p1"], ["p2", "p3"], ["p4"]]
+    big = [("small", torch.zeros(10)), ("huge", torch.zeros(1000)), ("tail", torch.zeros(10))]
+    assert [[n for n, _ in b] for b in E.weight_buckets(big, 100)] == [["small"], ["huge"], ["tail"]]
+    shard = Sharded(torch.empty(0, dtype=torch.bfloat16))
+    shard.ds_numel = 1000  # 2000 bytes in full although numel() == 0
+    assert E.full_numel(shard) == 1000
+    assert [[n for n, _ in b] for b in E.weight_buckets([("a", shard), ("b", shard)], 3000)] == [["a"], ["b"]]
+
+
+def test_checked_names_are_norms_and_an_unsharded_projection():
+    names = [n for n, _ in tiny_model().named_parameters()]
+    assert E.check_names(names, 1) == ["model.norm.weight", "model.layers.0.input_layernorm.weight",
+                                       "model.layers.2.input_layernorm.weight", "model.layers.2.mlp.down_proj.weight"]
+    assert "model.layers.2.mlp.down_proj.weight" not in E.check_names(names, 2)  # vLLM shards it under TP
+
+
+def test_compare_weights_reports_differences_shapes_and_missing_tensors():
+    a = {"x": torch.ones(3), "y": torch.ones(2), "z": torch.ones(1)}
+    b = {"x": torch.ones(3), "y": torch.tensor([1.0, 1.5])}
+    assert E.compare_weights(a, b) == ["y differs (max abs difference 0.5)", "z not found in vLLM's model"]
+    assert E.compare_weights({"x": torch.ones(3)}, {"x": torch.ones(4)}) == [
+        "x has shape (4,) in vLLM, (3,) in the trainer"]
+    assert E.compare_weights({"x": torch.ones(3, dtype=torch.float32)}, {"x": torch.ones(3, dtype=torch.bfloat16)}) == []
+
+
+def test_install_makes_both_trainers_build_the_engine_with_the_options():
+    import trl.trainer.grpo_trainer as grpo
+    import trl.trainer.rloo_trainer as rloo
+
+    before = grpo.VLLMGeneration, rloo.VLLMGeneration
+    try:
+        cls = E.install({"sleep_level": 1, "enforce_eager": True})
+        assert grpo.VLLMGeneration is cls and rloo.VLLMGeneration is cls and issubclass(cls, E.VLLMGeneration)
+        assert cls.options["sleep_level"] == 1 and cls.options["bucket_bytes"] == E.DEFAULT_OPTIONS["bucket_bytes"]
+        with pytest.raises(ValueError, match="unknown engine options"):
+            E.install({"sleep_levle": 1})
+    finally:
+        grpo.VLLMGeneration, rloo.VLLMGeneration = before
+
+
+def test_llm_kwargs_carry_the_recipe_options(monkeypatch):
+    eng = make_engine(monkeypatch, tiny_model(), [], sleep_level=0, enforce_eager=True, max_num_batched_tokens=8192,
+                      enable_prefix_caching=False, kv_cache_memory_bytes=12 * 2**30)
+    eng.accelerator = type("A", (), {"process_index": 3})()
+    eng.model.name_or_path = "/m"
+    eng.gpu_memory_utilization, eng.max_model_length, eng.max_num_seqs = 0.4, 512, 64
+    eng.model_impl, eng.trust_remote_code = "auto", False
+    kwargs = eng.llm_kwargs()
+    assert kwargs == dict(model="/m", tensor_parallel_size=1, gpu_memory_utilization=0.4, max_model_len=512,
+                          max_num_seqs=64, enable_sleep_mode=False, model_impl="auto",
+                          distributed_executor_backend="external_launcher", seed=3, max_num_batched_tokens=8192,
+                          logprobs_mode="processed_logprobs", trust_remote_code=False, enforce_eager=True,
+                          enable_prefix_caching=False, kv_cache_memory_bytes=12 * 2**30)
+
+
+# ---------------------------------------------------------------------------------------------- the cycle
+
+CYCLE_LEVEL2 = [("empty_cache",), ("wake", ("weights",)), ("load", 38), ("reset_prefix_cache",),
+                ("wake", ("kv_cache",)), ("generate", 2), ("sleep", 2), ("empty_cache",)]
+
+
+def test_level2_cycle_order_and_push_after_every_wake(monkeypatch):
+    events = []
+    eng = make_engine(monkeypatch, tiny_model(), events, sleep_level=2)
+    eng.sync_weights()  # TRL calls this when the step changed, then generate
+    eng.generate([[1], [2]], None, 2)
+    assert events == CYCLE_LEVEL2
+    assert eng.last_check == E.check_names([n for n, _ in eng.model.named_parameters()], 1)
+    events.clear()
+    eng.generate([[1], [2]], None, 2)  # a second generation in the same step: level 2 dropped the weights
+    assert events == CYCLE_LEVEL2
+
+
+def test_level1_keeps_weights_across_sleep_and_level0_never_sleeps(monkeypatch):
+    events = []
+    eng = make_engine(monkeypatch, tiny_model(), events, sleep_level=1)
+    eng.sync_weights()
+    eng.generate([[1]], None, 1)
+    events.clear()
+    eng.generate([[1]], None, 1)  # same step again: wake the CPU copy, no push
+    assert events == [("empty_cache",), ("wake", ("weights",)), ("wake", ("kv_cache",)), ("generate", 1),
+                      ("sleep", 1), ("empty_cache",)]
+    events.clear()
+    eng = make_engine(monkeypatch, tiny_model(), events, sleep_level=0, check_weights=False)
+    eng.sync_weights()
+    eng.generate([[1]], None, 1)
+    assert events == [("load", 38), ("reset_prefix_cache",), ("generate", 1)]
+
+
+def test_small_buckets_split_the_push_into_several_loads(monkeypatch):
+    events = []
+    model = tiny_model()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    eng = make_engine(monkeypatch, model, events, sleep_level=0, bucket_bytes=total // 4)
+    eng.sync_weights()
+    loads = eng.llm.vllm_model.loads
+    assert len(loads) >= 4 and sorted(n for load in loads for n in load) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_stale_weights_stop_the_run(monkeypatch):
+    events = []
+    model = tiny_model()
+    eng = make_engine(monkeypatch, model, events, sleep_level=1)
+    eng.sync_weights()
+    with torch.no_grad():  # the trainer takes a step ...
+        for p in model.parameters():
+            p.add_(0.01)
+    eng.llm.vllm_model.drop = True  # ... and the push does not reach vLLM
+    with pytest.raises(E.StaleWeightsError, match=r"model\.norm\.weight differs \(max abs difference 0\.01"):
+        eng.sync_weights()
+    eng.llm.vllm_model.drop = False
+    eng.sync_weights()  # a working push passes the check again
+
+
+class FakeDeepSpeedEngine:
+    def __init__(self, events):
+        self.events, self.optimizer = events, object()
+
+    def offload_states(self, include):
+        self.events.append(("offload", tuple(str(s.value) for s in include)))
+
+    def reload_states(self):
+        self.events.append(("reload",))
+
+
+def test_trainer_states_leave_the_gpu_while_vllm_generates(monkeypatch):
+    events = []
+    eng = make_engine(monkeypatch, tiny_model(), events, sleep_level=2, offload_trainer=True, check_weights=False)
+    eng.accelerator = type("A", (), {})()
+    eng.generate([[1]], None, 1)  # before the first step DeepSpeed is not prepared: nothing to offload
+    assert ("offload",) not in [e[:1] for e in events]
+    events.clear()
+    ds = FakeDeepSpeedEngine(events)
+    eng.accelerator.deepspeed_engine_wrapped = type("Wrapped", (), {"engine": ds})()
+    eng.sync_weights()
+    eng.generate([[1]], None, 1)
+    assert events[-7:] == [("offload", E.OFFLOADED_STATES), ("empty_cache",), ("wake", ("kv_cache",)),
+                           ("generate", 1), ("sleep", 2), ("empty_cache",), ("reload",)]
+
+
+# ---------------------------------------------------------------------------------------------- ZeRO-3, 2 ranks
+
+ZERO3_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch, deepspeed
+    sys.path.insert(0, {tests!r})
+    from test_engine import tiny_model, FakeLLM
+    from colocate_rl import engine as E
+    from trl.distributed import DistributedBackend
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = {{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": 3,
+           "stage3_param_persistence_threshold": 0}}, "zero_allow_untested_optimizer": True}}
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = tiny_model(seed=1)
+    ds_engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    sharded = [n for n, p in model.named_parameters() if p.numel() == 0]
+    events = []
+    cls = type("ColocatedEngine", (E.ColocatedEngine,), {{"options": {{**E.DEFAULT_OPTIONS, "sleep_level": 0,
+               "bucket_bytes": int(sys.argv[1])}}}})
+    eng = object.__new__(cls)
+    dist = object.__new__(DistributedBackend)
+    dist.zero_stage, dist.fsdp_version = 3, None
+    eng.mode, eng.model, eng._dist, eng.tensor_parallel_size = "colocate", model, dist, 1
+    eng.sleep_level, eng._asleep, eng._weights_valid, eng._offloaded = 0, set(), True, False
+    eng.llm = FakeLLM(tiny_model(seed=2), events)  # vLLM starts with other weights
+    eng.sync_weights()
+    got = dict(eng.llm.vllm_model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        same = all(torch.equal(got[n], p.data) for n, p in model.named_parameters())
+        differs_before = not all(torch.equal(p.data, q) for p, q in zip(model.parameters(),
+                                 tiny_model(seed=2).parameters()))
+    eng.llm.vllm_model.drop = True
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        for p in model.parameters():
+            p.add_(1.0)
+    try:
+        eng.sync_weights()
+        stale = "not detected"
+    except E.StaleWeightsError as e:
+        stale = str(e)[:60]
+    if torch.distributed.get_rank() == 0:
+        print("RESULT " + json.dumps({{"loads": len(eng.llm.vllm_model.loads) // 2, "same": same,
+                                      "sharded": len(sharded), "stale": stale,
+                                      "differs_before": differs_before}}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+""")
+
+
+# 4096 bytes: the fp32 embedding fills one bucket, each layer (9,472 bytes) spreads over ~3, packed in order: 9 loads
+@pytest.mark.parametrize("bucket_bytes, loads", [(2**30, 1), (4096, 9)])
+def test_zero3_bucketed_push_gathers_full_weights_on_two_ranks(tmp_path, bucket_bytes, loads):
+    script = tmp_path / "zero3_push.py"
+    script.write_text(ZERO3_SCRIPT.format(tests=str(ROOT / "tests")))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / "colocate-rl" / "torch_extensions")}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script), str(bucket_bytes)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    import json
+
+    out = json.loads(line.removeprefix("RESULT "))
+    assert out["sharded"] == 38  # every parameter really was partitioned
+    assert out["differs_before"] and out["same"] is True  # vLLM received the full, gathered weights
+    assert out["loads"] == loads  # one load_weights call per bucket
+    assert out["stale"].startswith("vLLM is not generating from the trainer's current weights")

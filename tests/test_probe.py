@@ -1,0 +1,319 @@
+"""`colocate-rl mem-probe` measuring mode on CPU: the bisection (fake trials), failure classification, phase peaks
+from a hand-written timeline, the trial runner (timeout ends every process; one real quickstart trial), the CLI
+without a GPU and the benchmark script's dry run."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from colocate_rl import probe as P
+from conftest import assert_user_error
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fake(threshold: float, too_low_below: float = 0.0, unknown_at: float | None = None, log: list | None = None):
+    """A trial function: shares ≤ threshold complete, larger ones OOM, those below `too_low_below` lack KV cache."""
+    def trial(util: float) -> P.TrialResult:
+        if log is not None:
+            log.append(util)
+        if unknown_at is not None and util == unknown_at:
+            return P.TrialResult(util, P.FAILED, detail="ImportError: no module named flash_attn")
+        if util < too_low_below:
+            return P.TrialResult(util, P.KV_TOO_SMALL)
+        return P.TrialResult(util, P.OK if util <= threshold + 1e-9 else P.OOM, steps=3)
+    return trial
+
+
+# ------------------------------------------------------------------------------------------------ bisection
+
+@pytest.mark.parametrize("threshold, lower, upper, start, visited, largest, recommended", [
+    # the estimate's recommendation passes, then halves towards the top of the window
+    (0.47, 0.021, 0.97, 0.08, [0.08, 0.53, 0.31, 0.42, 0.48, 0.45, 0.47], 0.47, 0.45),
+    # the first trial is too high: bisect below it
+    (0.20, 0.05, 0.90, 0.60, [0.6, 0.32, 0.18, 0.25, 0.22, 0.2, 0.21], 0.2, 0.18),
+    # the top of the window completes: done after one more trial
+    (0.99, 0.10, 0.30, 0.20, [0.2, 0.26, 0.29, 0.3], 0.3, 0.28),
+    # margin never goes below the smallest share that passed
+    (0.11, 0.10, 0.30, 0.10, [0.1, 0.21, 0.16, 0.13, 0.12, 0.11], 0.11, 0.1),
+    # no start: the middle of the window first (a share of 0 is never tried)
+    (0.50, 0.00, 1.00, None, [0.51, 0.26, 0.39, 0.45, 0.48, 0.5], 0.5, 0.48),
+])
+def test_bisection_finds_the_largest_passing_share(threshold, lower, upper, start, visited, largest, recommended):
+    log = []
+    result = P.bisect(fake(threshold, log=log), lower, upper, 0.01, start=start, margin=0.02)
+    assert log == visited
+    assert [t.util for t in result.trials] == visited
+    assert result.largest == largest and result.recommended == recommended
+    assert result.smallest == min(u for u in visited if u <= threshold + 1e-9)
+    assert result.best_trial().util == largest
+
+
+@pytest.mark.parametrize("threshold", [0.137, 0.5, 0.731, 0.9])
+@pytest.mark.parametrize("resolution", [0.01, 0.02, 0.005])
+def test_bisection_is_within_one_resolution_of_the_true_threshold(threshold, resolution):
+    result = P.bisect(fake(threshold), 0.05, 0.95, resolution, start=0.1)
+    assert threshold - resolution < result.largest <= threshold + 1e-9
+    assert len(result.trials) <= 2 + int(0.9 / resolution).bit_length()
+
+
+def test_too_low_failures_move_the_lower_bound_up():
+    log = []
+    result = P.bisect(fake(0.6, too_low_below=0.3, log=log), 0.02, 0.9, 0.01, start=0.1, margin=0.4)
+    assert log[0] == 0.1 and result.trials[0].outcome == P.KV_TOO_SMALL
+    assert result.largest == 0.6
+    assert all(u >= 0.3 for u in log[1:] if u <= 0.6)  # nothing below the KV failure is tried again
+    assert result.recommended == result.smallest >= 0.3  # 0.6 − 0.4 is below the smallest share that passed
+
+
+def test_no_passing_share_reports_why():
+    result = P.bisect(fake(0.01), 0.1, 0.3, 0.01, start=0.2)
+    assert result.largest is None and result.recommended is None
+    assert "no share in the window completed the steps: 0.1 is too high" in result.notes[-1]
+    squeezed = P.bisect(fake(0.25, too_low_below=0.3), 0.1, 0.5, 0.01)
+    assert squeezed.largest is None and "too low" in squeezed.notes[-1]
+
+
+def test_an_unknown_failure_aborts_the_probe():
+    with pytest.raises(P.ProbeAborted) as info:
+        P.bisect(fake(0.5, unknown_at=0.53), 0.02, 0.97, 0.01, start=0.08)
+    assert info.value.trial.util == 0.53 and [t.util for t in info.value.trials] == [0.08, 0.53]
+    timeout = lambda u: P.TrialResult(u, P.TIMEOUT)  # noqa: E731
+    with pytest.raises(P.ProbeAborted):
+        P.bisect(timeout, 0.1, 0.5, 0.01)
+
+
+def test_an_empty_window_is_an_error():
+    with pytest.raises(ValueError, match="no share"):
+        P.bisect(fake(0.5), 0.415, 0.419, 0.01)
+
+
+# ----------------------------------------------------------------------------------------- classification
+
+@pytest.mark.parametrize("log, outcome, line", [
+    ("[rank0]: ValueError: Free memory on device cuda:0 (38.2/139.8 GiB) on startup is less than desired GPU memory "
+     "utilization (0.9, 125.8 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+     P.START_REFUSED, "[rank0]: ValueError: Free memory on device cuda:0"),
+    ("INFO loading\n[rank0]: ValueError: No available memory for the cache blocks. Try increasing "
+     "`gpu_memory_utilization` when initializing the engine.\nexit", P.KV_TOO_SMALL, "[rank0]: ValueError: No avail"),
+    ("ValueError: To serve at least one request with the models's max seq len (32768), (0.38 GiB KV cache is needed, "
+     "which is larger than the available KV cache memory (0.12 GiB). Based on the available memory, the estimated "
+     "maximum model length is 9984.", P.KV_TOO_SMALL, "ValueError: To serve"),
+    ("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.32 GiB. GPU 1 has a total capacity",
+     P.OOM, "[rank1]: torch.OutOfMemoryError"),
+    ("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported", P.OOM,
+     "RuntimeError: CUDA error: out of memory"),
+    ("ModuleNotFoundError: No module named 'flash_attn'", P.FAILED, ""),
+    # the earliest failure is the cause: an OOM that follows a KV failure on another rank does not count
+    ("[rank0]: ValueError: No available memory for the cache blocks.\n[rank1]: torch.OutOfMemoryError: CUDA out of "
+     "memory.", P.KV_TOO_SMALL, "[rank0]: ValueError: No available memory for the cache blocks."),
+])
+def test_failures_are_classified_from_the_log(log, outcome, line):
+    got, got_line = P.classify_failure(log)
+    assert got == outcome and got_line.startswith(line)
+    assert (got in P.TOO_HIGH) == (outcome in (P.START_REFUSED, P.OOM))
+
+
+# ---------------------------------------------------------------------------------------------- phase peaks
+
+def write_timeline(path: Path, rank: int, steps: list[list[tuple]]):
+    """A timeline file: each step is a list of (phase, edge, mem) edges or ('sample', mem) samples."""
+    lines = [{"rank": rank, "device": f"cuda:{rank}", "unit": "GiB", "t0": 0.0}]
+    t = 0.0
+    for n, step in enumerate(steps, 1):
+        for item in step:
+            t += 0.1
+            if item[0] == "sample":
+                lines.append({"mem": item[1], "t": round(t, 2)})
+            else:
+                lines.append({"phase": item[0], "edge": item[1], "mem": item[2], "t": round(t, 2)})
+        lines.append({"step_end": n, "mem": step[-1][-1], "t": round(t + 0.01, 2)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def step(gen: float, sync: float, train: float, opt: float, kv_wake: float = 0.0, sleep_residue: float = 6.0):
+    """One sleep-mode step as TRL's colocated engine nests it: train > prepare > generate > (weight_sync > wake),
+    wake (KV), generation, sleep; then backward and the optimizer (DeepSpeed: inside train)."""
+    return [("train", "start", 6.0), ("prepare", "start", 6.0), ("generate", "start", 6.0),
+            ("weight_sync", "start", 6.0), ("wake", "start", 6.0), ("sample", 6.5), ("wake", "end", 7.0),
+            ("sample", sync), ("weight_sync", "end", 7.0), ("wake", "start", 7.0), ("wake", "end", kv_wake or gen - 1),
+            ("sample", gen), ("sample", gen - 0.5), ("sleep", "start", gen - 0.5), ("sample", 60.0),
+            ("sleep", "end", sleep_residue), ("generate", "end", sleep_residue), ("reward", "start", 6.0),
+            ("reward", "end", 6.0), ("prepare", "end", 6.0), ("sample", train), ("optimizer", "start", 9.0),
+            ("sample", opt), ("optimizer", "end", 8.0), ("train", "end", 8.0)]
+
+
+def test_phase_peaks_from_a_timeline(tmp_path):
+    first = step(gen=90.0, sync=50.0, train=70.0, opt=60.0)  # warm-up: left out
+    write_timeline(tmp_path / "timeline" / "rank0.jsonl", 0, [first, step(40.0, 9.5, 12.0, 10.5),
+                                                              step(41.0, 9.0, 12.5, 10.0)])
+    write_timeline(tmp_path / "timeline" / "rank1.jsonl", 1, [first, step(39.0, 9.8, 11.0, 11.0)])
+    mapped, raw = P.phase_peaks(tmp_path)
+    # the 60 GiB sample inside `sleep` (nested in generate) is not generation's, nor the first step's 90 GiB
+    assert mapped == {"generation": 41.0, "weight sync": 9.8, "training": 12.5, "optimizer step": 11.0}
+    assert raw["sleep"] == raw["generate"] == raw["train"] == 60.0  # raw: nested phases included
+    assert list(mapped) == list(P.PHASES)
+    everything, _ = P.phase_peaks(tmp_path, skip_first=False)
+    assert everything["generation"] == 90.0 and everything["weight sync"] == 50.0
+
+
+def test_phase_peaks_of_a_single_step_or_a_crash(tmp_path):
+    one = tmp_path / "one"
+    write_timeline(one / "timeline" / "rank0.jsonl", 0, [step(30.0, 9.0, 12.0, 10.0)])
+    assert P.phase_peaks(one)[0]["generation"] == 30.0  # only the first step: it is used
+    crash = tmp_path / "crash"  # OOM in generation of step 2: the phase never ended, the last line is cut off
+    write_timeline(crash / "timeline" / "rank0.jsonl", 0, [step(30.0, 9.0, 12.0, 10.0)])
+    with (crash / "timeline" / "rank0.jsonl").open("a") as f:
+        for line in ({"phase": "train", "edge": "start", "mem": 6.0, "t": 9}, {"phase": "generate", "edge": "start",
+                     "mem": 6.0, "t": 9.1}, {"mem": 77.0, "t": 9.2}):
+            f.write(json.dumps(line) + "\n")
+        f.write('{"mem": 78')
+    assert P.phase_peaks(crash)[0]["generation"] == 77.0
+
+
+def test_comparison_rows():
+    rows = P.comparison({"generation": 39.3, "weight sync": 6.3, "training": 14.0, "optimizer step": 6.3},
+                        {"generation": 41.5, "training": 14.6, "optimizer step": 6.3})
+    assert rows[0] == {"phase": "generation", "estimate_gib": 39.3, "measured_gib": 41.5, "error_pct": -5.3}
+    assert rows[1]["measured_gib"] is None and rows[1]["error_pct"] is None and rows[3]["error_pct"] == 0.0
+
+
+# --------------------------------------------------------------------------------------------- trial runner
+
+def test_trial_command_puts_the_probes_settings_after_the_users(tmp_path):
+    argv = P.trial_command("r.yaml", 0.35, tmp_path / "t", 3, ["generation.enforce_eager=true",
+                                                               "generation.vllm_gpu_memory_utilization=0.9"])
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    assert argv[1:6] == ["-m", "colocate_rl", "train", "r.yaml", "--run-dir"]
+    assert sets == ["generation.enforce_eager=true", "generation.vllm_gpu_memory_utilization=0.9",
+                    "generation.vllm_gpu_memory_utilization=0.35", "trainer.max_steps=3", *P.TRIAL_SETS]
+
+
+def test_a_trial_past_its_timeout_is_ended_with_every_process_it_started(tmp_path):
+    # a stand-in for `python -m colocate_rl train`: starts a grandchild in its own session (as train starts
+    # torchrun), records its pid, and never finishes
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\nsetsid sleep 300 &\necho $! > " + str(tmp_path / "child.pid")
+                           + "\necho 'starting'\nsleep 300\n")
+    fake_python.chmod(0o755)
+    begin = time.monotonic()
+    result = P.run_trial("recipe.yaml", 0.3, tmp_path / "trial-1-util0.3", 3, timeout_s=2, python=str(fake_python))
+    assert result.outcome == P.TIMEOUT and not result.ok and "no result after 2 s" in result.detail
+    assert time.monotonic() - begin < 30
+    child = int((tmp_path / "child.pid").read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert "starting" in (tmp_path / "trial-1-util0.3.out").read_text()
+
+
+def test_a_failing_trial_is_classified_from_its_output(tmp_path):
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho '[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate'"
+                           "\nexit 1\n")
+    fake_python.chmod(0o755)
+    result = P.run_trial("recipe.yaml", 0.8, tmp_path / "t", 3, timeout_s=30, python=str(fake_python))
+    assert result.outcome == P.OOM and result.detail.startswith("[rank0]: torch.OutOfMemoryError")
+    assert "CUDA out of memory" in result.log_tail and result.steps == 0 and result.peaks == {}
+
+
+@pytest.mark.slow
+def test_one_real_trial_of_the_quickstart_on_cpu(tmp_path):
+    """The runner end to end: real `colocate-rl train` (builtin:tiny, 2 ranks, ZeRO-3, transformers generation on
+    CPU; the share is unused there), real metrics and timelines."""
+    result = P.run_trial(ROOT / "recipes" / "quickstart.yaml", 0.5, tmp_path / "probe" / P.trial_name(1, 0.5), 2,
+                         timeout_s=600, cwd=ROOT)
+    log = (tmp_path / "probe" / "trial-1-util0.5" / "train.log")
+    assert result.ok, result.detail + "\n" + result.log_tail + (log.read_text()[-3000:] if log.exists() else "")
+    assert result.steps == 2 and result.run_dir == str(tmp_path / "probe" / "trial-1-util0.5")
+    assert not (Path(result.run_dir) / "final").exists()  # output.save_model=false
+    recipe = (Path(result.run_dir) / "recipe.yaml").read_text()
+    assert "vllm_gpu_memory_utilization: 0.5" in recipe and "max_steps: 2" in recipe
+    # RSS on CPU: each phase measured, the second step only
+    assert set(result.peaks) >= {"generation", "training", "optimizer step"}
+    assert all(0.1 < v < 8 for v in result.peaks.values())
+    assert {"generate", "train", "optimizer"} <= set(result.raw_peaks)
+
+
+# ----------------------------------------------------------------------------------------------- CLI, script
+
+def test_measuring_without_a_gpu_says_so_in_one_line():
+    result = subprocess.run([sys.executable, "-m", "colocate_rl", "mem-probe", "gpu-0.5b-layout", "--write",
+                             "never.yaml"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                            env={**os.environ, "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""})
+    assert_user_error(result, "mem-probe: no CUDA GPU on this machine; measuring runs the recipe on the GPUs — run "
+                              "`colocate-rl mem-probe RECIPE --estimate` here")
+    assert len(result.stderr.strip().splitlines()) == 1 and not (ROOT / "never.yaml").exists()
+
+
+def test_write_recipe_replaces_the_file_whole(tmp_path):
+    from colocate_rl.cli import _write_recipe
+    from colocate_rl.errors import UserError
+
+    out = tmp_path / "out.yaml"
+    _write_recipe(out, ROOT / "recipes" / "gpu-0.5b-layout.yaml", ["generation.vllm_gpu_memory_utilization=0.61"],
+                  "probed")
+    text = out.read_text()
+    assert text.startswith("# probed\n") and "vllm_gpu_memory_utilization: 0.61" in text
+    assert [p.name for p in tmp_path.iterdir()] == ["out.yaml"]  # no temp file left behind
+    with pytest.raises(UserError, match="is not a directory"):
+        _write_recipe(tmp_path / "missing" / "out.yaml", ROOT / "recipes" / "gpu-0.5b-layout.yaml", [], "x")
+
+
+def test_bench_script_dry_run_prints_the_commands(tmp_path):
+    result = subprocess.run([sys.executable, "scripts/bench_mem_probe.py", "--out", str(tmp_path), "--dry-run",
+                             "--cases", "0.5b-nosleep,1.5b-zero3", "--set", "generation.enforce_eager=true"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = [x for x in result.stdout.splitlines() if not x.startswith("#")]
+    assert len(lines) == 4 and not any(tmp_path.iterdir())  # nothing run, nothing written
+    probe, verify = lines[0], lines[1]
+    assert probe.startswith("CUDA_VISIBLE_DEVICES=0 ") and " mem-probe recipes/gpu-0.5b-layout.yaml --json " in probe
+    assert "--steps 3" in probe and "--set generation.sleep_level=0 --set generation.enforce_eager=true" in probe
+    assert " train recipes/gpu-0.5b-layout.yaml " in verify and "trainer.max_steps=20" in verify
+    assert "generation.vllm_gpu_memory_utilization=U" in verify and "generation.enforce_eager=true" in verify
+    assert lines[2].startswith("CUDA_VISIBLE_DEVICES=0,1 ") and "gpu-1.5b-layout-zero3.yaml" in lines[2]
+    bad = subprocess.run([sys.executable, "scripts/bench_mem_probe.py", "--out", str(tmp_path), "--dry-run",
+                          "--cases", "7b"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "unknown case(s) 7b" in bad.stderr
+
+
+def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
+    """The GPU path of the CLI (host and trials faked): trials, the measured-vs-estimate table, --json, --write."""
+    from typer.testing import CliRunner
+
+    from colocate_rl import cli, host
+
+    monkeypatch.setattr(host, "detect_host", lambda: host.assumed_host(1, 140.4))
+    calls = []
+
+    def run_trial(recipe, util, run_dir, steps, sets, timeout_s, **kwargs):
+        calls.append((Path(run_dir).name, steps, list(sets)))
+        peaks = {"generation": 4.2 + util * 140.4, "weight sync": 6.4, "training": 14.5, "optimizer step": 6.3}
+        return P.TrialResult(util, P.OK if util <= 0.6 else P.OOM, 1.0, steps if util <= 0.6 else 1, str(run_dir),
+                             peaks=peaks)
+
+    monkeypatch.setattr(P, "run_trial", run_trial)
+    out = tmp_path / "probed.yaml"
+    args = ["mem-probe", "gpu-0.5b-layout", "--probe-dir", str(tmp_path / "probe"), "--steps", "2", "--set",
+            "generation.enforce_eager=true"]
+    result = CliRunner().invoke(cli.app, [*args, "--json", "--write", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["largest_passing"] == 0.6 and data["recommended"] == 0.58 and data["steps"] == 2
+    assert calls[0] == ("trial-1-util0.08", 2, ["generation.enforce_eager=true"])  # the estimate's share first
+    gen = data["phases"][0]
+    assert gen["phase"] == "generation" and gen["measured_gib"] == pytest.approx(4.2 + 0.6 * 140.4)
+    assert abs(gen["error_pct"]) < 5  # the fake measurement is close to the estimate
+    written = out.read_text()
+    assert "vllm_gpu_memory_utilization: 0.58" in written and "enforce_eager: true" in written
+    assert written.startswith("# gpu-0.5b-layout with generation.vllm_gpu_memory_utilization 0.58 measured")
+    table = CliRunner().invoke(cli.app, [*args[:2], "--probe-dir", str(tmp_path / "probe2")], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    assert "measured vs estimated peak per GPU (GiB) at share 0.6" in table.output
+    assert "recommended: generation.vllm_gpu_memory_utilization 0.58" in table.output
