@@ -102,8 +102,9 @@ def colocated_command(row: str, run_dir: Path, steps: int) -> tuple[list[str], d
 
 def server_commands(out: Path, run_dir: Path, model: Path, steps: int, port: int):
     """(vllm-serve argv, env), (trainer argv, env) for the server-mode row."""
-    trl = Path(sys.executable).with_name("trl")
-    serve = [str(trl), "vllm-serve", "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
+    trl = Path(sys.executable).with_name("trl")  # the venv's console script, else TRL's module entry point
+    trl_cmd = [str(trl)] if trl.exists() else [sys.executable, "-c", "import sys; from trl.cli import main; sys.exit(main())"]
+    serve = [*trl_cmd, "vllm-serve", "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
              "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.9"]
     train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
              str(out / "server_trainer.py"), str(model), str(run_dir), f"http://127.0.0.1:{port}", str(steps)]
