@@ -24,6 +24,7 @@ that `colocate_rl.telemetry` times as a phase. Importing this module needs TRL b
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -172,7 +173,19 @@ class ColocatedEngine(VLLMGeneration):
             asleep = free_before - torch.cuda.mem_get_info()[0]
             line += f", asleep (level {self.sleep_level}) {asleep / 2**30:.3f} GiB"
         print(line, flush=True)  # GPU memory this engine takes, by the driver's count (benchmarks read it)
+        print(f"[colocate-rl engine] rank {accelerator.process_index}: vLLM config {json.dumps(self.built_config())}",
+              flush=True)
         accelerator.wait_for_everyone()
+
+    def built_config(self) -> dict[str, Any]:
+        """The engine settings as vLLM built them (read back from its config, not from what was asked)."""
+        cfg = self.llm.llm_engine.vllm_config
+        model, cache, sched = cfg.model_config, cfg.cache_config, cfg.scheduler_config
+        return {"enforce_eager": model.enforce_eager, "enable_sleep_mode": model.enable_sleep_mode,
+                "max_model_len": model.max_model_len, "enable_prefix_caching": cache.enable_prefix_caching,
+                "gpu_memory_utilization": cache.gpu_memory_utilization,
+                "kv_cache_memory_bytes": cache.kv_cache_memory_bytes, "max_num_seqs": sched.max_num_seqs,
+                "max_num_batched_tokens": sched.max_num_batched_tokens}
 
     # ------------------------------------------------------------------ the cycle
 
