@@ -174,8 +174,10 @@ def _push_only_once(self):  # fault injected by the test: after the first push, 
 E.ColocatedEngine._push_weights = _push_only_once
 
 
-def reward(completions, **kwargs):
-    return [float(len(c)) for c in completions]
+def reward(completions, **kwargs):  # random: non-zero advantages, so the trainer's weights do move
+    import random
+
+    return [random.random() for _ in completions]
 """
 
 
