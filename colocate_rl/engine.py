@@ -4,7 +4,7 @@
 pinned exactly: this relies on its internals). Per step, on every rank, the cycle is:
 
     trainer cache emptied → wake weights → push the trainer's weights (bucketed) → check them → reset the prefix
-    cache → [offload trainer states] → wake KV cache → generate → sleep → cache emptied → [reload trainer states]
+    cache → [offload trainer states] → wake KV cache → generate → sleep → [reload trainer states]
 
 - Sleep level (`generation.sleep_level`): 0 = vLLM keeps its memory; 1 = weights copied to CPU, KV cache freed;
   2 = weights and KV cache freed (default: cheapest to sleep and wake; the push refills the weights anyway).
@@ -195,7 +195,6 @@ class ColocatedEngine(VLLMGeneration):
 
     def _sleep(self) -> None:
         self.llm.sleep(level=self.sleep_level)
-        empty_cache()  # blocks vLLM's forward left in torch's cache go back to the driver too
         self._asleep = {"weights", "kv_cache"}
         if self.sleep_level == 2:
             self._weights_valid = False  # discarded: only a push may refill them

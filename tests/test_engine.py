@@ -168,7 +168,7 @@ def test_llm_kwargs_carry_the_recipe_options(monkeypatch):
 # ---------------------------------------------------------------------------------------------- the cycle
 
 CYCLE_LEVEL2 = [("empty_cache",), ("wake", ("weights",)), ("load", 38), ("reset_prefix_cache",),
-                ("wake", ("kv_cache",)), ("generate", 2), ("sleep", 2), ("empty_cache",)]
+                ("wake", ("kv_cache",)), ("generate", 2), ("sleep", 2)]
 
 
 def test_level2_cycle_order_and_push_after_every_wake(monkeypatch):
@@ -191,7 +191,7 @@ def test_level1_keeps_weights_across_sleep_and_level0_never_sleeps(monkeypatch):
     events.clear()
     eng.generate([[1]], None, 1)  # same step again: wake the CPU copy, no push
     assert events == [("empty_cache",), ("wake", ("weights",)), ("wake", ("kv_cache",)), ("generate", 1),
-                      ("sleep", 1), ("empty_cache",)]
+                      ("sleep", 1)]
     events.clear()
     eng = make_engine(monkeypatch, tiny_model(), events, sleep_level=0, check_weights=False)
     eng.sync_weights()
@@ -246,8 +246,8 @@ def test_trainer_states_leave_the_gpu_while_vllm_generates(monkeypatch):
     eng.accelerator.deepspeed_engine_wrapped = type("Wrapped", (), {"engine": ds})()
     eng.sync_weights()
     eng.generate([[1]], None, 1)
-    assert events[-7:] == [("offload", E.OFFLOADED_STATES), ("empty_cache",), ("wake", ("kv_cache",)),
-                           ("generate", 1), ("sleep", 2), ("empty_cache",), ("reload",)]
+    assert events[-6:] == [("offload", E.OFFLOADED_STATES), ("empty_cache",), ("wake", ("kv_cache",)),
+                           ("generate", 1), ("sleep", 2), ("reload",)]
 
 
 # ---------------------------------------------------------------------------------------------- ZeRO-3, 2 ranks
