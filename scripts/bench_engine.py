@@ -63,9 +63,9 @@ def median_after_first(records: list[dict], key: str) -> float | None:
 
 def figures(name: str, run_dir: Path, code: int, wall: float, cmd: str) -> dict:
     row = {"row": name, "exit": code, "wall_s": round(wall, 1), "command": cmd}
-    metrics = run_dir / "metrics.jsonl"
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    steps = [r for r in steps if "time/step_s" in r]
+    from colocate_rl.launch import read_metrics
+
+    steps = [r for r in read_metrics(run_dir) if "time/step_s" in r]
     row["steps"] = len(steps)
     if len(steps) >= 2:
         walls = [r["wall_s"] for r in steps]

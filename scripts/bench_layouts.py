@@ -158,9 +158,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
 
 def step_stats(run_dir: Path) -> dict:
     """Median s/step (wall_s differences after the first step) and median time/*_s over the same steps."""
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    records = [r for r in records if "wall_s" in r and "train_runtime" not in r]
+    from colocate_rl.launch import read_metrics
+
+    records = [r for r in read_metrics(run_dir) if "wall_s" in r and "train_runtime" not in r]
     by_step = {r["step"]: r for r in records}
     steps = sorted(by_step)
     diffs = [by_step[b]["wall_s"] - by_step[a]["wall_s"] for a, b in zip(steps, steps[1:]) if b == a + 1]

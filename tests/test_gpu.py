@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from colocate_rl.launch import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -35,18 +37,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0 or not HAS_VLLM, rea
 STEPS = 10
 
 
+def cli(args: list[str], visible: str) -> subprocess.CompletedProcess:
+    """`colocate-rl ARGS` on the GPUs in `visible`."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "colocate_rl", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1200)
+
+
 def train(name: str, recipe: str, run_dir: Path, visible: str, *sets: str) -> dict:
     """Run `colocate-rl train` on the GPUs in `visible`; return the run's figures (and record them)."""
     args = ["train", recipe, "--run-dir", str(run_dir), "--set", f"trainer.max_steps={STEPS}"]
     for item in sets:
         args += ["--set", item]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "COLUMNS": "200"}
-    result = subprocess.run([sys.executable, "-m", "colocate_rl", *args], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=1200)
+    result = cli(args, visible)
     log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
     assert result.returncode == 0, result.stdout[-3000:] + log[-8000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "reward" in r]
+    steps = [r for r in read_metrics(run_dir) if "reward" in r]
     assert len(steps) == STEPS, f"{len(steps)} logged steps"
     walls = [r["wall_s"] for r in steps]
     figures = {
@@ -115,16 +121,13 @@ def run_cli(run_dir: Path, visible: str, recipe: str, steps: int, *sets: str) ->
             "--set", "output.save_model=false"]
     for item in sets:
         args += ["--set", item]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "COLUMNS": "200"}
-    result = subprocess.run([sys.executable, "-m", "colocate_rl", *args], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=1200)
+    result = cli(args, visible)
     log = (run_dir / "train.log").read_text(errors="replace") if (run_dir / "train.log").exists() else ""
     return result.returncode, result.stdout + result.stderr + log
 
 
 def step_records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "time/step_s" in r] if path.exists() else []
+    return [r for r in read_metrics(run_dir) if "time/step_s" in r]
 
 
 def test_engine_options_reach_vllm(tmp_path):
