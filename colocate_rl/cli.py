@@ -346,6 +346,7 @@ def _mem_probe_measure(recipe: str, set_: list[str], gib: float, prompt_tokens: 
     import json
 
     from colocate_rl import probe as P
+    from colocate_rl.autolayout import confirm_choice
     from colocate_rl.estimate import PHASES, estimate as estimate_memory
 
     path = _recipe_path(recipe)
@@ -384,10 +385,18 @@ def _mem_probe_measure(recipe: str, set_: list[str], gib: float, prompt_tokens: 
                         f"{e.trial.run_dir}; fix that and probe again")
     estimate_at = lambda u: {p: est.total(p, u) for p in PHASES}  # noqa: E731
     best = result.best_trial()
+    layout = None  # auto's layout choice checked against the best trial, moved to the recipe's own share
+    if resolved.layout_choice is not None and best is not None:
+        share = resolved.recipe.generation.vllm_gpu_memory_utilization
+        peak = P.peak_at_share(best.peaks, best.util, share, estimate_at)
+        if peak is not None:
+            ok, line = confirm_choice(resolved.layout_choice, peak)
+            layout = {"confirmed": ok, "measured_peak_gib": peak, "at_share": share, "line": line}
     if json_out:
         print(json.dumps({"recipe": str(path), "gpu_memory_gib": gib, "steps": steps, "probe_dir": str(probe_dir),
                           "estimate": {"lower": round(est.lower, 4), "upper": round(est.upper, 4),
-                                       "chosen": est.chosen}, **P.to_json(result, estimate_at)}))
+                                       "chosen": est.chosen}, **P.to_json(result, estimate_at),
+                          "layout_check": layout}))
     else:
         console.print(P.trials_table(result.trials))
         if best is not None:
@@ -398,6 +407,9 @@ def _mem_probe_measure(recipe: str, set_: list[str], gib: float, prompt_tokens: 
                           f"{margin:g}; the estimate recommended {est.chosen:g})", highlight=False, soft_wrap=True)
         for note in result.notes:
             console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        if layout is not None:
+            console.print(f"layout (auto): {layout['line']} — peak of share {best.util:g}'s trial moved to the "
+                          f"recipe's share {layout['at_share']:g}", highlight=False, markup=False, soft_wrap=True)
     if result.recommended is None:
         raise UserError("mem-probe: no vLLM share in the window completed the steps (" + "; ".join(result.notes)
                         + f"); see the trials in {probe_dir}" + ("; nothing written" if write else ""))

@@ -378,7 +378,8 @@ def recommend(resolve_with: Callable[[dict[str, Any]], Any], gpu_gib: float,
         if final is not None and zero_of(final.resolved)[i]:
             e = attempt({**_merged(groups), key: False})
             if e is not None and e.fits:
-                notes.append(f"{label} off would also fit by this estimate (peak {e.peak()[1]:.1f} GiB); "
+                notes.append(f"{label} off would also fit by this estimate (vLLM share {e.chosen:.2f}, peak "
+                             f"{e.peak(e.chosen)[1]:.1f} GiB); "
                              "ZeRO-3 estimates run low, so confirm on the GPU before dropping it")
     changes = _merged(groups)
     if final is not None and final.kv_budget_gib is None:  # with kv_cache_memory the share is not a setting

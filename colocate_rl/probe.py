@@ -411,6 +411,16 @@ def comparison(estimated: dict[str, float], measured: dict[str, float]) -> list[
     return rows
 
 
+def peak_at_share(measured: dict[str, float], util: float, target: float,
+                  estimate_at: Callable[[float], dict[str, float]]) -> float | None:
+    """The peak over phases of a trial measured at share `util`, moved to share `target`: each phase's measurement
+    plus the estimate's change of that phase between the two shares (only vLLM's share term depends on the share,
+    and vLLM takes exactly its share). None when nothing was measured."""
+    at, to = estimate_at(util), estimate_at(target)
+    moved = [m + to[p] - at[p] for p, m in measured.items() if p in at and p in to]
+    return round(max(moved), 3) if moved else None
+
+
 def to_json(result: ProbeResult, estimate_at: Callable[[float], dict[str, float]] | None = None) -> dict[str, Any]:
     """The probe for `--json`: window, trials, largest/smallest passing share, recommendation, and measured vs
     estimated peaks at the largest passing share."""

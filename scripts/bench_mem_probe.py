@@ -8,7 +8,9 @@ share vs the true largest) to `--out`.
     python scripts/bench_mem_probe.py --out runs/bench-mem-probe [--cases 0.5b-sleep,1.5b-zero3]
         [--set generation.enforce_eager=true] [--steps 3] [--verify-steps 20] [--dry-run]
 
-`--set` overrides go to every trial (probe and verification). `--dry-run` prints the commands and runs nothing.
+`--set` overrides go to every trial (probe and verification). A case's finished probe is kept in
+`OUT/CASE/probe.json` and reused when the script runs again (e.g. `--skip-verify` first, the verification later).
+`--dry-run` prints the commands and runs nothing.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="override for every trial, e.g. generation.enforce_eager=true")
+    parser.add_argument("--gpus", help="CUDA_VISIBLE_DEVICES for every case (default: the case's own, e.g. 0)")
     parser.add_argument("--steps", type=int, default=3, help="steps per probe trial")
     parser.add_argument("--verify-steps", type=int, default=20, help="steps per verification trial")
     parser.add_argument("--band", type=float, default=0.05, help="verification window: probe's largest ± band")
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for name in cases:
             recipe, gpus, sets = CASES[name]
-            sets = [*sets, *args.sets]
+            gpus, sets = args.gpus or gpus, [*sets, *args.sets]
             probe = probe_command(recipe, sets, args.out / name / "probe", args)
             print(f"# {name}: probe ({args.steps}-step trials)")
             print(f"CUDA_VISIBLE_DEVICES={gpus} {shlex.join(probe)}")
@@ -132,25 +135,33 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in cases:
         recipe, gpus, sets = CASES[name]
-        sets = [*sets, *args.sets]
+        gpus, sets = args.gpus or gpus, [*sets, *args.sets]
         row: dict = {"case": name, "recipe": recipe, "gpus": gpus, "sets": sets, "steps": args.steps,
                      "verify_steps": args.verify_steps}
-        print(f"== {name}: probe", file=sys.stderr, flush=True)
-        begin = time.monotonic()
-        done = subprocess.run(probe_command(recipe, sets, args.out / name / "probe", args), cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "COLUMNS": "200"})
-        row["probe_s"] = round(time.monotonic() - begin, 1)
-        try:
-            probe = json.loads(done.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            probe = None
-        if done.returncode != 0 or probe is None:
-            row["error"] = f"mem-probe exited {done.returncode}"
+        saved = args.out / name / "probe.json"  # a finished probe is reused: the verification can run later
+        if saved.exists():
+            probe, returncode = json.loads(saved.read_text()), 0
+            row["probe_s"] = probe.pop("bench_probe_s")
+            print(f"== {name}: probe reused from {saved}", file=sys.stderr, flush=True)
+        else:
+            print(f"== {name}: probe", file=sys.stderr, flush=True)
+            begin = time.monotonic()
+            done = subprocess.run(probe_command(recipe, sets, args.out / name / "probe", args), cwd=ROOT,
+                                  stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "COLUMNS": "200"})
+            row["probe_s"], returncode = round(time.monotonic() - begin, 1), done.returncode
+            try:
+                probe = json.loads(done.stdout.strip().splitlines()[-1])
+            except (IndexError, json.JSONDecodeError):
+                probe = None
+            if returncode == 0 and probe is not None:
+                saved.write_text(json.dumps({**probe, "bench_probe_s": row["probe_s"]}))
+        if returncode != 0 or probe is None:
+            row["error"] = f"mem-probe exited {returncode}"
         else:
             row.update(estimate_chosen=probe["estimate"]["chosen"], largest_passing=probe["largest_passing"],
                        recommended=probe["recommended"], phases=probe.get("phases", []),
-                       probe_trials=len(probe["trials"]), probe=probe)
+                       probe_trials=len(probe["trials"]), layout_check=probe.get("layout_check"), probe=probe)
             if not args.skip_verify and probe["largest_passing"] is not None:
                 print(f"== {name}: verification ({args.verify_steps} steps)", file=sys.stderr, flush=True)
                 begin = time.monotonic()

@@ -310,6 +310,10 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     gen = data["phases"][0]
     assert gen["phase"] == "generation" and gen["measured_gib"] == pytest.approx(4.2 + 0.6 * 140.4)
     assert abs(gen["error_pct"]) < 5  # the fake measurement is close to the estimate
+    check = data["layout_check"]  # auto chose ZeRO-2; the best trial (0.6) moved to the recipe's share 0.25
+    assert check["at_share"] == 0.25 and check["confirmed"] is True
+    assert check["measured_peak_gib"] == pytest.approx(4.2 + 0.25 * 140.4, abs=0.01)
+    assert check["line"].startswith("ZeRO-2 confirmed: measured peak 39.30 GiB")
     written = out.read_text()
     assert "vllm_gpu_memory_utilization: 0.58" in written and "enforce_eager: true" in written
     assert written.startswith("# gpu-0.5b-layout with generation.vllm_gpu_memory_utilization 0.58 measured")
@@ -317,3 +321,22 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     assert table.exit_code == 0, table.output
     assert "measured vs estimated peak per GPU (GiB) at share 0.6" in table.output
     assert "recommended: generation.vllm_gpu_memory_utilization 0.58" in table.output
+    assert "layout (auto): ZeRO-2 confirmed" in table.output
+
+    def too_big(recipe, util, run_dir, steps, sets, timeout_s, **kwargs):  # training needs more than auto assumed
+        return P.TrialResult(util, P.OK, 1.0, steps, str(run_dir), peaks={"generation": 4.2 + util * 140.4,
+                                                                         "training": 131.0})
+
+    monkeypatch.setattr(P, "run_trial", too_big)
+    big = CliRunner().invoke(cli.app, [*args, "--json", "--probe-dir", str(tmp_path / "probe3")])
+    check = json.loads(big.stdout.strip().splitlines()[-1])["layout_check"]
+    assert check["confirmed"] is False and check["measured_peak_gib"] == 131.0
+    assert "exceeds the limit 126.4 GiB" in check["line"]
+    assert check["line"].endswith("set distributed.zero_stage: 2, trainer.gradient_checkpointing: true")
+
+
+def test_peak_moved_to_another_share():
+    est = lambda u: {"generation": 10 + 100 * u, "training": 20.0}  # noqa: E731  sleep on: training has no share
+    assert P.peak_at_share({"generation": 75.0, "training": 22.0}, 0.6, 0.25, est) == pytest.approx(40.0)
+    assert P.peak_at_share({"generation": 30.0, "training": 22.0}, 0.6, 0.25, est) == 22.0
+    assert P.peak_at_share({}, 0.6, 0.25, est) is None
