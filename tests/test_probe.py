@@ -306,7 +306,7 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout.strip().splitlines()[-1])
     assert data["largest_passing"] == 0.6 and data["recommended"] == 0.58 and data["steps"] == 2
-    assert calls[0] == ("trial-1-util0.08", 2, ["generation.enforce_eager=true"])  # the estimate's share first
+    assert calls[0] == ("trial-1-util0.94", 2, ["generation.enforce_eager=true"])  # the estimated largest first
     gen = data["phases"][0]
     assert gen["phase"] == "generation" and gen["measured_gib"] == pytest.approx(4.2 + 0.6 * 140.4)
     assert abs(gen["error_pct"]) < 5  # the fake measurement is close to the estimate
