@@ -110,8 +110,9 @@ def _decimals(resolution: float) -> int:
 def bisect(trial: Callable[[float], TrialResult], lower: float, upper: float, resolution: float = 0.01,
            start: float | None = None, margin: float = 0.02) -> ProbeResult:
     """The largest share in [lower, upper] (on a grid of `resolution`) whose trial completes. Trials are taken at
-    `start` first (default the middle), then halfway between the largest passing share (else the largest too-low
-    one) and the smallest too-high one, until they are one grid step apart. Too high (refused, OOM) bounds from
+    `start` first (default the middle); when that is too high, 2, 4 and 8 grid steps below it until one is not (the
+    start is the estimate's largest share, so the answer is usually near it); then halfway between the largest
+    passing share (else the largest too-low one) and the smallest too-high one, until they are one grid step apart. Too high (refused, OOM) bounds from
     above, too low (KV cache) from below; any other outcome raises ProbeAborted."""
     if resolution <= 0:
         raise ValueError("resolution must be positive")
@@ -125,11 +126,14 @@ def bisect(trial: Callable[[float], TrialResult], lower: float, upper: float, re
     trials: list[TrialResult] = []
     notes: list[str] = []
     nxt = None if start is None else min(hi, max(lo, round(start / resolution)))
+    first, gallop = nxt, 2  # a too-high start: try 2, 4, 8 grid steps below it before halving
     while True:
         best = max((i for i in passed if i < bad_high), default=None)
         base = best if best is not None else bad_low
         if bad_high - base <= 1:
             break
+        if nxt is None and first is not None and best is None and bad_low < lo and bad_high <= first and gallop <= 8:
+            nxt, gallop = first - gallop, gallop * 2
         if nxt is None or not base < nxt < bad_high:
             nxt = (base + bad_high + 1) // 2
         result = trial(util(nxt))

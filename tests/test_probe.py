@@ -36,8 +36,10 @@ def fake(threshold: float, too_low_below: float = 0.0, unknown_at: float | None 
 @pytest.mark.parametrize("threshold, lower, upper, start, visited, largest, recommended", [
     # the estimate's recommendation passes, then halves towards the top of the window
     (0.47, 0.021, 0.97, 0.08, [0.08, 0.53, 0.31, 0.42, 0.48, 0.45, 0.47], 0.47, 0.45),
-    # the first trial is too high: bisect below it
-    (0.20, 0.05, 0.90, 0.60, [0.6, 0.32, 0.18, 0.25, 0.22, 0.2, 0.21], 0.2, 0.18),
+    # the first trial is too high: 2, 4, 8 grid steps below it, then bisect
+    (0.20, 0.05, 0.90, 0.60, [0.6, 0.58, 0.56, 0.52, 0.28, 0.16, 0.22, 0.19, 0.21, 0.2], 0.2, 0.18),
+    # the estimate's largest share is a little too high: found in a few trials
+    (0.85, 0.02, 0.91, 0.91, [0.91, 0.89, 0.87, 0.83, 0.85, 0.86], 0.85, 0.83),
     # the top of the window completes: done after one more trial
     (0.99, 0.10, 0.30, 0.20, [0.2, 0.26, 0.29, 0.3], 0.3, 0.28),
     # margin never goes below the smallest share that passed
