@@ -45,7 +45,7 @@ FAILURE_PATTERNS: list[tuple[str, str]] = [
     (KV_TOO_SMALL, r"Try increasing `?gpu_memory_utilization`?"),
     (OOM, r"CUDA out of memory"),
     (OOM, r"OutOfMemoryError"),
-    (OOM, r"CUDA error: out of memory"),
+    (OOM, r"(?i)CUDA error: out of memory"),  # also vLLM's sleep-pool allocator: "CUDA Error: out of memory at …"
     (OOM, r"CUDA_ERROR_OUT_OF_MEMORY"),
     (OOM, r"cudaErrorMemoryAllocation"),
 ]

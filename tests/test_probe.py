@@ -111,6 +111,9 @@ def test_an_empty_window_is_an_error():
      P.OOM, "[rank1]: torch.OutOfMemoryError"),
     ("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported", P.OOM,
      "RuntimeError: CUDA error: out of memory"),
+    # vLLM's sleep-mode allocator waking up on a full GPU (H200, 1.5B ZeRO-3 at share 0.9)
+    ("[rank0]: RuntimeError: CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163", P.OOM,
+     "[rank0]: RuntimeError: CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163"),
     ("ModuleNotFoundError: No module named 'flash_attn'", P.FAILED, ""),
     # the earliest failure is the cause: an OOM that follows a KV failure on another rank does not count
     ("[rank0]: ValueError: No available memory for the cache blocks.\n[rank1]: torch.OutOfMemoryError: CUDA out of "
