@@ -85,7 +85,7 @@ class ProbeResult:
     margin: float
     largest: float | None  # the largest share that completed the steps
     smallest: float | None  # the smallest that did
-    recommended: float | None  # largest − margin, never below `smallest`
+    recommended: float | None  # largest − margin; not below the window, nor below `smallest` after a KV failure
     notes: list[str]
 
     def best_trial(self) -> TrialResult | None:
@@ -160,7 +160,11 @@ def bisect(trial: Callable[[float], TrialResult], lower: float, upper: float, re
     smallest = util(good[0]) if good else None
     recommended = None
     if good:
-        recommended = max(smallest, round(math.floor(round((largest - margin) / resolution, 6)) * resolution, digits))
+        # A smaller share leaves the trainer more room, down to the estimate's lower bound (vLLM's weights and one
+        # batch's KV cache); once a trial had too little KV cache that bound is wrong: stay at a share that passed.
+        floor_ok = good[0] if bad_low >= lo else lo
+        recommended = max(util(floor_ok), round(math.floor(round((largest - margin) / resolution, 6)) * resolution,
+                                                digits))
         if good[-1] == hi:
             notes.append(f"the top of the window ({util(hi)}) completed: larger shares were not tried")
     else:
@@ -213,14 +217,16 @@ def _rank_peaks(lines: list[dict[str, Any]], skip_first: bool) -> tuple[dict[str
             children.setdefault(iv["parent"], []).append(k)
 
     def peak(k: int, keep: set[str] | None) -> float | None:
-        """Max memory in interval k (edges included); with `keep`, inside nested phases only those named in it."""
+        """Max memory in interval k after its start edge (that reading is what the previous phase left, e.g. the
+        allocator's cache from backward before the weight sync empties it) up to its end edge; with `keep`, inside
+        nested phases only those named in it."""
         iv = intervals[k]
         skip = set()
         if keep is not None:
             for c in children.get(k, []):
                 if intervals[c]["name"] not in keep:
                     skip.update(range(intervals[c]["start"] + 1, intervals[c]["end"]))  # a child's edges count
-        values = [records[i]["mem"] for i in range(max(iv["start"], cut + 1), iv["end"] + 1)
+        values = [records[i]["mem"] for i in range(max(iv["start"] + 1, cut + 1), iv["end"] + 1)
                   if i not in skip and isinstance(records[i].get("mem"), (int, float))]
         return max(values) if values else None
 

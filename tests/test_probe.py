@@ -72,6 +72,9 @@ def test_too_low_failures_move_the_lower_bound_up():
     assert result.largest == 0.6
     assert all(u >= 0.3 for u in log[1:] if u <= 0.6)  # nothing below the KV failure is tried again
     assert result.recommended == result.smallest >= 0.3  # 0.6 − 0.4 is below the smallest share that passed
+    # without a KV failure the estimate's lower bound holds: the margin applies even if one share was tried
+    alone = P.bisect(fake(0.99), 0.02, 0.94, 0.02, start=0.94, margin=0.02)
+    assert [t.util for t in alone.trials] == [0.94] and alone.smallest == 0.94 and alone.recommended == 0.92
 
 
 def test_no_passing_share_reports_why():
@@ -167,6 +170,22 @@ def test_phase_peaks_from_a_timeline(tmp_path):
     assert list(mapped) == list(P.PHASES)
     everything, _ = P.phase_peaks(tmp_path, skip_first=False)
     assert everything["generation"] == 90.0 and everything["weight sync"] == 50.0
+
+
+def test_a_phase_start_edge_belongs_to_the_phase_before(tmp_path):
+    """H200, 1.5B ZeRO-3: the weight sync begins with backward's cached blocks still held (28.9 GiB by the driver),
+    empties the cache, then wakes vLLM; its peak is what it holds itself."""
+    lines = [{"phase": "train", "edge": "start", "mem": 11.6}, {"mem": 28.9}, {"phase": "optimizer", "edge": "start",
+             "mem": 28.9}, {"phase": "optimizer", "edge": "end", "mem": 28.9}, {"phase": "train", "edge": "end",
+             "mem": 28.9}, {"step_end": 1, "mem": 28.9}, {"phase": "weight_sync", "edge": "start", "mem": 28.9},
+             {"phase": "wake", "edge": "start", "mem": 11.6}, {"phase": "wake", "edge": "end", "mem": 14.5},
+             {"mem": 15.7}, {"phase": "weight_sync", "edge": "end", "mem": 14.7}, {"step_end": 2, "mem": 14.7}]
+    path = tmp_path / "timeline" / "rank0.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(x) + "\n" for x in [{"rank": 0}, *lines]))
+    mapped, raw = P.phase_peaks(tmp_path, skip_first=False)
+    assert mapped["weight sync"] == raw["weight_sync"] == 15.7
+    assert mapped["training"] == mapped["optimizer step"] == 28.9
 
 
 def test_phase_peaks_of_a_single_step_or_a_crash(tmp_path):
