@@ -127,6 +127,19 @@ class LayoutChoice:
         out.append(f"chosen: {self.chosen.label} — {self.reason}")
         return out
 
+    def pinned_sets(self, deepspeed: str | None) -> list[str]:
+        """`--set` overrides that fix the chosen layout (for keys that were auto), so a run at another vLLM share
+        trains with this layout rather than auto's choice for that share. `deepspeed`: the recipe's
+        `distributed.deepspeed` (None: auto's base config is named)."""
+        c, out = self.chosen, []
+        if "distributed.zero_stage" in self.auto_keys and c.stage is not None:
+            out += [] if deepspeed else [f"distributed.deepspeed={AUTO_BASE_CONFIG}"]
+            out += [f"distributed.zero_stage={c.stage}", f"distributed.offload_optimizer={str(c.offload_optimizer).lower()}",
+                    f"distributed.offload_params={str(c.offload_params).lower()}"]
+        if "trainer.gradient_checkpointing" in self.auto_keys:
+            out.append(f"trainer.gradient_checkpointing={str(c.gradient_checkpointing).lower()}")
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {"auto_keys": list(self.auto_keys), "gpu_memory_gib": self.gpu_gib, "margin": self.margin,
                 "limit_gib": None if self.limit_gib is None else round(self.limit_gib, 3),

@@ -363,16 +363,23 @@ def _mem_probe_measure(recipe: str, set_: list[str], gib: float, prompt_tokens: 
         raise UserError(f"mem-probe: the estimate leaves no vLLM share that fits (window {est.lower:.3f} to "
                         f"{est.upper:.3f}); `colocate-rl mem-probe RECIPE --estimate` names the cheapest change: "
                         "pass it with --set and probe again")
+    # auto's layout depends on the vLLM share (a large share leaves no room for the faster layouts): every trial
+    # trains with the layout auto chose at the recipe's own share
+    choice = resolved.layout_choice
+    pinned = choice.pinned_sets(resolved.recipe.distributed.deepspeed) if choice is not None else []
     probe_dir = probe_dir or Path("runs") / f"mem-probe-{datetime.now():%Y%m%d-%H%M%S}"
     if probe_dir.exists() and any(probe_dir.iterdir()):
         raise UserError(f"--probe-dir: {probe_dir} is not empty; choose another directory or remove it")
     out = err_console if json_out else console
     out.print(f"probing generation.vllm_gpu_memory_utilization in {lower:.3f}–{upper:.3f} (estimated window) "
               f"at a resolution of {resolution:g}, {steps} steps a trial; trials in {probe_dir}", highlight=False)
+    if pinned:
+        out.print(f"every trial trains with auto's layout at the recipe's share ({choice.chosen.label}): "
+                  f"{' '.join(pinned)}", highlight=False, soft_wrap=True)
     result_line = lambda t: (f"  → {t.outcome} ({t.seconds:.0f} s, {t.steps} steps)"  # noqa: E731
                              + (f": {t.detail}" if t.detail else ""))
     try:
-        result = P.run_probe(path, list(set_ or []), lower, upper, upper, probe_dir, steps, resolution, margin,
+        result = P.run_probe(path, [*(set_ or []), *pinned], lower, upper, upper, probe_dir, steps, resolution, margin,
                              trial_timeout, on_start=lambda k, u: out.print(f"trial {k}: share {u:g} ...",
                                                                              highlight=False),
                              on_trial=lambda k, t: out.print(result_line(t), highlight=False, markup=False,
@@ -386,16 +393,16 @@ def _mem_probe_measure(recipe: str, set_: list[str], gib: float, prompt_tokens: 
     estimate_at = lambda u: {p: est.total(p, u) for p in PHASES}  # noqa: E731
     best = result.best_trial()
     layout = None  # auto's layout choice checked against the best trial, moved to the recipe's own share
-    if resolved.layout_choice is not None and best is not None:
+    if choice is not None and best is not None:
         share = resolved.recipe.generation.vllm_gpu_memory_utilization
         peak = P.peak_at_share(best.peaks, best.util, share, estimate_at)
         if peak is not None:
-            ok, line = confirm_choice(resolved.layout_choice, peak)
-            layout = {"confirmed": ok, "measured_peak_gib": peak, "at_share": share, "line": line}
+            ok, line = confirm_choice(choice, peak)
+            layout = {"confirmed": ok, "measured_peak_gib": peak, "at_share": share, "line": line, "pinned": pinned}
     if json_out:
         print(json.dumps({"recipe": str(path), "gpu_memory_gib": gib, "steps": steps, "probe_dir": str(probe_dir),
                           "estimate": {"lower": round(est.lower, 4), "upper": round(est.upper, 4),
-                                       "chosen": est.chosen}, **P.to_json(result, estimate_at),
+                                       "chosen": est.chosen}, "pinned_sets": pinned, **P.to_json(result, estimate_at),
                           "layout_check": layout}))
     else:
         console.print(P.trials_table(result.trials))
@@ -414,9 +421,11 @@ def _mem_probe_measure(recipe: str, set_: list[str], gib: float, prompt_tokens: 
         raise UserError("mem-probe: no vLLM share in the window completed the steps (" + "; ".join(result.notes)
                         + f"); see the trials in {probe_dir}" + ("; nothing written" if write else ""))
     if write is not None:
-        _write_recipe(write, path, [*(set_ or []), f"generation.vllm_gpu_memory_utilization={result.recommended:g}"],
+        _write_recipe(write, path, [*(set_ or []), *pinned,
+                                    f"generation.vllm_gpu_memory_utilization={result.recommended:g}"],
                       f"{recipe} with generation.vllm_gpu_memory_utilization {result.recommended:g} measured by "
-                      f"`colocate-rl mem-probe` (largest passing {result.largest:g} − margin {margin:g})")
+                      f"`colocate-rl mem-probe` (largest passing {result.largest:g} − margin {margin:g})"
+                      + (f" and the layout the trials ran ({choice.chosen.label})" if pinned else ""))
         out.print(f"wrote {write}", highlight=False)
 
 

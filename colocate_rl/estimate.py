@@ -242,6 +242,12 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
         ("ZeRO-3 gathered params", sync_gather, ["weight sync"])]:
         if value:
             terms.setdefault(name, {}).update({ph: value / GIB for ph in phases})
+    # torch's allocator keeps backward's blocks reserved through the optimizer step (nothing empties the cache in
+    # between): the driver sees the training peak there too (H200, 1.5B ZeRO-3: 28.86 GiB in both phases)
+    trainer = {ph: sum(v.get(ph, 0.0) for v in terms.values()) for ph in PHASES}
+    if trainer["training"] > trainer["optimizer step"]:
+        terms["allocator cache kept from backward"] = {
+            "optimizer step": trainer["training"] - trainer["optimizer step"]}
     # sleep level 1 copies vLLM's weights to CPU memory and level 2 drops them: on the GPU both leave the residue
     awake = PHASES if not g.sleep_level else ("generation",)
     fixed = {ph: sum(v.get(ph, 0.0) for v in terms.values()) for ph in PHASES}

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                                         sets)
                 util_set = "generation.vllm_gpu_memory_utilization="
                 shown = shlex.join([f"{util_set}U" if a.startswith(util_set) else a for a in trial])
-                print(f"# {name}: verification, bisection over U in the probe's largest passing share ± {args.band:g}")
+                print(f"# {name}: verification, bisection over U in the probe's largest passing share ± {args.band:g} "
+                      "(plus the probe's pinned layout, `pinned_sets` in its JSON)")
                 print(f"CUDA_VISIBLE_DEVICES={gpus} {shown}")
         return 0
 
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.skip_verify and probe["largest_passing"] is not None:
                 print(f"== {name}: verification ({args.verify_steps} steps)", file=sys.stderr, flush=True)
                 begin = time.monotonic()
-                row["verify"] = verify(recipe, sets, gpus, probe["largest_passing"], args.out / name / "verify", args)
+                row["verify"] = verify(recipe, [*sets, *probe.get("pinned_sets", [])], gpus, probe["largest_passing"],
+                                       args.out / name / "verify", args)  # the probe's layout, not auto's per share
                 row["verify_s"] = round(time.monotonic() - begin, 1)
         rows.append(row)
         with (args.out / "results.jsonl").open("a") as f:

@@ -330,16 +330,23 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout.strip().splitlines()[-1])
     assert data["largest_passing"] == 0.6 and data["recommended"] == 0.58 and data["steps"] == 2
-    assert calls[0] == ("trial-1-util0.94", 2, ["generation.enforce_eager=true"])  # the estimated largest first
+    # the estimated largest share first; auto's layout at the recipe's share (0.25: ZeRO-2) pinned for every trial
+    # (at 0.94 auto alone would pick ZeRO-3 with full offload, as the first H200 runs did)
+    pinned = ["distributed.deepspeed=zero3", "distributed.zero_stage=2", "distributed.offload_optimizer=false",
+              "distributed.offload_params=false", "trainer.gradient_checkpointing=false"]
+    assert calls[0] == ("trial-1-util0.94", 2, ["generation.enforce_eager=true", *pinned])
+    assert all(c[2] == calls[0][2] for c in calls)
     gen = data["phases"][0]
     assert gen["phase"] == "generation" and gen["measured_gib"] == pytest.approx(4.2 + 0.6 * 140.4)
     assert abs(gen["error_pct"]) < 5  # the fake measurement is close to the estimate
     check = data["layout_check"]  # auto chose ZeRO-2; the best trial (0.6) moved to the recipe's share 0.25
-    assert check["at_share"] == 0.25 and check["confirmed"] is True
+    assert check["at_share"] == 0.25 and check["confirmed"] is True and check["pinned"] == pinned
     assert check["measured_peak_gib"] == pytest.approx(4.2 + 0.25 * 140.4, abs=0.01)
     assert check["line"].startswith("ZeRO-2 confirmed: measured peak 39.30 GiB")
     written = out.read_text()
     assert "vllm_gpu_memory_utilization: 0.58" in written and "enforce_eager: true" in written
+    assert "zero_stage: 2" in written and "gradient_checkpointing: false" in written  # the layout that was measured
+    assert data["pinned_sets"] == pinned
     assert written.startswith("# gpu-0.5b-layout with generation.vllm_gpu_memory_utilization 0.58 measured")
     table = CliRunner().invoke(cli.app, [*args[:2], "--probe-dir", str(tmp_path / "probe2")], env={"COLUMNS": "200"})
     assert table.exit_code == 0, table.output
