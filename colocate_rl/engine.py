@@ -164,6 +164,7 @@ class ColocatedEngine(VLLMGeneration):
         os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
         os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
         ensure_master_addr_port()
+        empty_cache()  # vLLM's start-up empties torch's cache: release it first, or it counts as vLLM giving back
         free_before, _ = torch.cuda.mem_get_info()
         self.llm = LLM(**self.llm_kwargs())
         awake = free_before - torch.cuda.mem_get_info()[0]
