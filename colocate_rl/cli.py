@@ -278,7 +278,18 @@ def report(
     write_report(run_dirs, out, console)
 
 
-def _mem_probe_lines(rec) -> list[str]:
+def _host_line(e, ram_gib: float | None) -> list[str]:
+    """Host memory per node for offloaded state (none: no line); compared with this machine's RAM when known."""
+    if not e.host:
+        return []
+    line = (f"host memory per node: {e.host_gib:.1f} GiB for " + ", ".join(f"{k} {v:.1f}" for k, v in e.host.items())
+            + " (the processes' own memory comes on top)")
+    if ram_gib is not None and e.host_gib > 0.9 * ram_gib:
+        line += f"; this machine has {ram_gib:.0f} GiB of RAM: not enough — use more GPUs or nodes, or less offload"
+    return [line]
+
+
+def _mem_probe_lines(rec, ram_gib: float | None = None) -> list[str]:
     """What `mem-probe --estimate` prints under its table: layout, batch, window, verdict, recommendation."""
     import json
 
@@ -319,7 +330,7 @@ def _mem_probe_lines(rec) -> list[str]:
                  f"offload {'on' if off_opt else 'off'}; param offload {'on' if off_par else 'off'} → peak "
                  f"{peak:.2f} GiB of {G:.1f} in {phase}; KV room for {f.max_seqs(f.chosen):,} sequences (a batch is "
                  f"{f.kv['sequences']})")
-    return lines + [f"note: {n}" for n in b.notes + rec.notes]
+    return lines + _host_line(f, ram_gib) + [f"note: {n}" for n in b.notes + rec.notes]
 
 
 def _write_recipe(target: Path, path: Path, sets: list[str], header: str) -> None:
@@ -459,6 +470,8 @@ def mem_probe(
     """GPU memory per rank and phase (generation, weight sync, training, optimizer step) and the vLLM share to set."""
     import json
 
+    import psutil
+
     from colocate_rl.estimate import PHASES, recommend, to_json
     from colocate_rl.host import detect_host
     from colocate_rl.recipe import load_recipe
@@ -498,7 +511,8 @@ def mem_probe(
             table.add_row(term, *(f"{row[p]:.2f}" if p in row else "" for p in PHASES))
         table.add_row("total", *(f"{rec.base.total(p):.2f}" for p in PHASES), style="bold")
         console.print(table)
-        for line in _mem_probe_lines(rec) + (choice.lines() if choice is not None else []):
+        ram = psutil.virtual_memory().total / 2**30 if host.gpus else None  # planning for this machine
+        for line in _mem_probe_lines(rec, ram) + (choice.lines() if choice is not None else []):
             console.print(line, highlight=False, soft_wrap=True)
     if write is not None:
         if rec.final is None:

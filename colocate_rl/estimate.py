@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -126,6 +126,11 @@ class Estimate:
     kv: dict[str, Any]
     notes: list[str]
     kv_budget_gib: float | None = None  # generation.kv_cache_memory: vLLM's KV pool is this, whatever the share
+    host: dict[str, float] = field(default_factory=dict)  # term → GiB of host memory per node (offload, sleep 1)
+
+    @property
+    def host_gib(self) -> float:
+        return sum(self.host.values())
 
     def __post_init__(self) -> None:
         G, fixed = self.gpu_gib, self.fixed
@@ -275,7 +280,17 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
     if off_gen:
         notes.append("generation.offload_trainer_during_generation: optimizer states and gradients are on CPU "
                      "while vLLM generates (not counted in generation)")
-    return Estimate(resolved, lay, gpu_gib, terms, fixed, awake, need, kv, notes, kv_budget)
+    # Host memory per node for what lives on the CPU (ranks on a node × each rank's part). H200, 7B on one GPU with
+    # optimizer offload: 113.5 GiB estimated, 152 GiB in use on the host (processes, libraries and buffers on top).
+    ranks = resolved.nproc_per_node
+    host = {"offloaded optimizer (fp32 master + Adam + fp32 gradients)":
+            ((12 if p == 2 else 8) + 4) * n / world * ranks if stage is not None and off_opt else 0,
+            "offloaded parameters": p * n / world * ranks if stage == 3 and off_par else 0,
+            "trainer states during generation (offload_trainer_during_generation)":
+            (opt + grads) * ranks if off_gen else 0,
+            "vLLM weights while asleep (sleep level 1)": vllm_w * GIB * ranks if g.sleep_level == 1 else 0}
+    host = {k: v / GIB for k, v in host.items() if v}
+    return Estimate(resolved, lay, gpu_gib, terms, fixed, awake, need, kv, notes, kv_budget, host)
 
 
 CHANGES = ("sleep on", "gradient checkpointing", "ZeRO-3", "optimizer offload", "param offload", "TP",
@@ -401,7 +416,8 @@ def summary(e: Estimate, util: float | None = None) -> dict[str, Any]:
             "peak": {"phase": peak_phase, "gib": round(peak, 3)}, "fits": e.fits,
             "window": {"lower": round(e.lower, 4), "upper": round(e.upper, 4), "upper_phase": e.upper_phase,
                        "chosen": e.chosen, "margin": MARGIN},
-            "kv": {**e.kv, "gib": round(e.kv["gib"], 3), "max_sequences": e.max_seqs(util)}}
+            "kv": {**e.kv, "gib": round(e.kv["gib"], 3), "max_sequences": e.max_seqs(util)},
+            "host_gib_per_node": round(e.host_gib, 3), "host_terms": {k: round(v, 3) for k, v in e.host.items()}}
 
 
 def to_json(rec: Recommendation) -> dict[str, Any]:

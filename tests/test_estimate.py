@@ -330,6 +330,44 @@ def test_gap_to_the_probe_trials_on_the_h200(recipe, gpus, sets, measured, bound
         assert low <= (e.total(phase) - m) / m <= high, f"{phase}: estimate {e.total(phase):.2f} vs measured {m}"
 
 
+# ---------------------------------------------------------------------------------------------- host memory
+
+def test_host_memory_of_offloaded_state_by_hand():
+    # 7B, one GPU, ZeRO-3 + optimizer offload: fp32 master 4 + Adam 8 + fp32 gradients 4 = 16 B/param on the host:
+    # 16 × 7,615,616,512 = 121,849,864,192 B = 113.48 GiB (the H200 host showed 152 GiB in use: processes on top)
+    e = est("gpu-7b-layout-1gpu", 1, gib=139.8)
+    assert E.zero_of(e.resolved)[1:3] == (3, True) and e.host_gib == pytest.approx(16 * N7 / GIB)
+    assert 16 * N7 == 121_849_864_192 and e.host_gib == pytest.approx(113.48, abs=0.01)
+    # 1.5B on 2 GPUs of one node, optimizer + parameter offload: each rank offloads its half, the node holds both
+    e = est("gpu-1.5b-layout-zero3", 2, "distributed.offload_optimizer=true", "distributed.offload_params=true")
+    assert e.host == {"offloaded optimizer (fp32 master + Adam + fp32 gradients)": pytest.approx(16 * N15 / GIB),
+                      "offloaded parameters": pytest.approx(2 * N15 / GIB)}
+    # trainer offload during generation (ZeRO-2, 2 ranks): each rank's 12 B/param / 2 + its 16-bit gradient shard
+    e = est("gpu-1.5b-layout-zero3", 2, "distributed.zero_stage=2", "generation.offload_trainer_during_generation=true")
+    assert e.host_gib == pytest.approx(2 * (12 * N15 / 2 + 2 * N15 / 2) / GIB)
+    # sleep level 1 keeps vLLM's weights in host memory; level 2 and no offload: nothing
+    assert est("gpu-0.5b-layout", 1, "generation.sleep_level=1").host_gib == pytest.approx(2 * N05 / GIB)
+    assert est("gpu-0.5b-layout", 1).host == {}
+
+
+def test_host_memory_line_against_this_machines_ram(monkeypatch):
+    from typer.testing import CliRunner
+
+    import psutil
+
+    from colocate_rl import cli as C, host
+
+    monkeypatch.setattr(host, "detect_host", lambda: host.assumed_host(1, 139.8))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"total": 125 * GIB})())
+    result = CliRunner().invoke(C.app, ["mem-probe", "gpu-7b-layout-1gpu", "--estimate"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert ("host memory per node: 113.5 GiB for offloaded optimizer (fp32 master + Adam + fp32 gradients) 113.5 "
+            "(the processes' own memory comes on top); this machine has 125 GiB of RAM: not enough") in result.output
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"total": 251 * GIB})())
+    roomy = CliRunner().invoke(C.app, ["mem-probe", "gpu-7b-layout-1gpu", "--estimate"], env={"COLUMNS": "250"})
+    assert "host memory per node: 113.5 GiB" in roomy.output and "not enough" not in roomy.output
+
+
 # ------------------------------------------------------------------------------------------------------ CLI
 
 def test_cli_table_json_and_write(tmp_path):
