@@ -35,6 +35,9 @@ the allocator's fragmentation and NCCL buffers come on top; 10 % keeps a layout 
 estimate from being chosen over the next, slower, safe one. When the measured mode of `mem-probe` runs, it can
 check the choice with `confirm_choice`.
 
+Offloaded state must also fit in host memory: when this machine's RAM is known (not for `--gpus N` planning), a
+candidate whose offload needs more than 90 % of it per node (`mem-probe --estimate`'s host figure) does not fit.
+
 Without a GPU (CPU runs, planning without `--gpus`) there is no memory limit to compare with: the first candidate
 is taken and the reason says so. On a GPU where no estimate is possible (a model whose layout is unknown, the
 transformers backend) the first ZeRO-3 candidate (with checkpointing when that is auto) is taken, as the safe
@@ -83,6 +86,8 @@ class Tried:
     peak_gib: float | None = None
     peak_phase: str | None = None
     fits: bool | None = None
+    host_gib: float = 0.0  # host memory per node for what it offloads
+    host_fits: bool = True  # within this machine's RAM less the margin (True when the RAM is not known)
 
 
 @dataclass(frozen=True)
@@ -122,8 +127,11 @@ class LayoutChoice:
             if t.peak_gib is None:
                 out.append(f"  {t.candidate.label:<52} not estimated{mark}")
             else:
-                verdict = "fits" if t.fits else "too big"
-                out.append(f"  {t.candidate.label:<52} {t.peak_gib:7.2f} GiB ({t.peak_phase}) {verdict}{mark}")
+                why = [x for x, bad in (("too big", t.peak_gib > self.limit_gib),
+                                        ("host RAM too small", not t.host_fits)) if bad]
+                verdict = "; ".join(why) if why else "fits"
+                host = f" + host {t.host_gib:.1f} GiB" if t.host_gib else ""
+                out.append(f"  {t.candidate.label:<52} {t.peak_gib:7.2f} GiB ({t.peak_phase}){host} {verdict}{mark}")
         out.append(f"chosen: {self.chosen.label} — {self.reason}")
         return out
 
@@ -146,7 +154,8 @@ class LayoutChoice:
                 "chosen": _cand_json(self.chosen), "reason": self.reason,
                 "candidates": [{**_cand_json(t.candidate),
                                 "peak_gib": None if t.peak_gib is None else round(t.peak_gib, 3),
-                                "peak_phase": t.peak_phase, "fits": t.fits} for t in self.tried]}
+                                "peak_phase": t.peak_phase, "host_gib": round(t.host_gib, 3), "fits": t.fits}
+                               for t in self.tried]}
 
 
 def _cand_json(c: Candidate) -> dict[str, Any]:
@@ -199,9 +208,10 @@ def candidates(resolved, valid: Callable[[dict[str, Any]], bool] | None = None) 
 
 
 def choose_layout(resolved, gpu_gib: float | None, prompt_tokens: int | None = None,
-                  valid: Callable[[dict[str, Any]], bool] | None = None) -> LayoutChoice:
+                  valid: Callable[[dict[str, Any]], bool] | None = None, ram_gib: float | None = None) -> LayoutChoice:
     """The first of `candidates(resolved)` whose estimated peak (over all phases, at the recipe's vLLM share) is at
-    most `gpu_gib × (1 − MARGIN)`. `gpu_gib` None (no GPU): the first candidate, nothing estimated."""
+    most `gpu_gib × (1 − MARGIN)` and, when `ram_gib` (this machine's memory) is known, whose offloaded state fits in
+    `ram_gib × (1 − MARGIN)`. `gpu_gib` None (no GPU): the first candidate, nothing estimated."""
     from colocate_rl.estimate import estimate
 
     dist, trainer = resolved.recipe.distributed, resolved.recipe.trainer
@@ -229,7 +239,8 @@ def choose_layout(resolved, gpu_gib: float | None, prompt_tokens: int | None = N
             return done(chosen, [Tried(x) for x in cands],
                         f"no estimate ({err.lines[0]}), so the safe choice; set distributed.zero_stage to override")
         phase, peak = e.peak()
-        tried.append(Tried(c, peak, phase, peak <= limit))
+        host_fits = ram_gib is None or e.host_gib <= ram_gib * (1 - MARGIN)
+        tried.append(Tried(c, peak, phase, peak <= limit and host_fits, e.host_gib, host_fits))
     first = next((t for t in tried if t.fits), None)
     if first is not None:
         return done(first.candidate, tried, f"the first that fits ({first.peak_gib:.2f} ≤ {limit:.1f} GiB)")

@@ -23,6 +23,7 @@ class Host:
     has_vllm: bool = False
     cpu_count: int = 1
     assumed: bool = False
+    ram_gib: float | None = None  # this machine's memory; None for a host described on the command line
 
     @property
     def gpu_count(self) -> int:
@@ -83,7 +84,9 @@ def _visible(gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
 
 
 def detect_host() -> Host:
-    """Detect GPUs (NVML, else nvidia-smi), whether vLLM is importable, and CPU cores."""
+    """Detect GPUs (NVML, else nvidia-smi), whether vLLM is importable, CPU cores and memory."""
+    import psutil
+
     gpus = _gpus_from_nvml()
     if gpus is None:
         gpus = _gpus_from_smi()
@@ -91,6 +94,7 @@ def detect_host() -> Host:
         gpus=_visible(gpus),
         has_vllm=importlib.util.find_spec("vllm") is not None,
         cpu_count=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+        ram_gib=psutil.virtual_memory().total / 2**30,
     )
 
 

@@ -266,7 +266,7 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
         from colocate_rl.autolayout import choose_layout
 
         choice = choose_layout(resolved, min(g.memory_gib for g in host.gpus) if has_gpu else None,
-                               valid=lambda config: not _check_engine(recipe, config))
+                               valid=lambda config: not _check_engine(recipe, config), ram_gib=host.ram_gib)
         if auto_stage and _check_engine(recipe, choice.deepspeed):
             raise UserError(*_check_engine(recipe, choice.deepspeed))
         resolved = replace(resolved, deepspeed=choice.deepspeed, gradient_checkpointing=choice.gradient_checkpointing,

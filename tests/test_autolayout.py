@@ -200,6 +200,27 @@ def test_mem_probe_shows_and_returns_the_choice():
     assert not [t for t in data["terms"] if t.startswith(("optimizer states", "optimizer step"))]
 
 
+@pytest.mark.parametrize("ram, chosen", [
+    # H200 host of the 2-GPU machine (251 GiB): optimizer offload's 113.5 GiB fits in 90 % of it
+    (251.0, "ZeRO-3 + offload optimizer"),
+    # a 125 GiB host: 113.5 > 112.5 GiB, and parameter offload needs more still; nothing fits, the last is taken
+    (125.0, "ZeRO-3 + offload optimizer and params, checkpointing"),
+    (None, "ZeRO-3 + offload optimizer"),  # RAM unknown (--gpus planning): not checked
+])
+def test_offload_must_fit_in_host_memory(ram, chosen):
+    from dataclasses import replace
+
+    host = replace(assumed_host(1, H200), ram_gib=ram)
+    c = resolve(load_recipe(ROOT / "recipes" / "gpu-7b-layout-1gpu.yaml"), host).layout_choice
+    assert c.chosen.label == chosen, "\n".join(c.lines())
+    opt = next(t for t in c.tried if t.candidate.label == "ZeRO-3 + offload optimizer")
+    assert opt.host_gib == pytest.approx(16 * 7_615_616_512 / GIB) and opt.host_fits is (ram != 125.0)
+    line = next(x for x in c.lines() if x.strip().startswith("ZeRO-3 + offload optimizer "))
+    assert "+ host 113.5 GiB" in line
+    assert line.endswith("host RAM too small") if ram == 125.0 else line.endswith("fits  ← chosen")
+    assert c.to_json()["candidates"][4]["host_gib"] == pytest.approx(113.482, abs=0.001)
+
+
 def test_confirm_choice_for_the_measured_mode():
     c = resolved("gpu-1.5b-layout-zero3", 2, 24.0, *AUTO, "distributed.deepspeed=null").layout_choice
     ok, line = A.confirm_choice(c, 18.0)
