@@ -261,7 +261,7 @@ def env() -> None:
         console.print("GPUs: none (training runs on CPU with 2 ranks by default)")
     backend = "vllm (colocated)" if host.gpus and host.has_vllm else "transformers"
     why = "" if backend.startswith("vllm") else (" (no GPU)" if not host.gpus else " (vLLM not installed)")
-    console.print(f"generation.backend auto → {backend}{why}; CPU cores: {host.cpu_count}")
+    console.print(f"generation.backend auto → {backend}{why}; CPU cores: {host.cpu_count}; RAM: {host.ram_gib:.0f} GiB")
 
 
 @app.command()

@@ -102,3 +102,6 @@ def test_env_reports_versions_and_backend():
     assert result.returncode == 0, result.stderr
     assert "trl" in result.stdout and "1.16.0" in result.stdout
     assert "generation.backend auto → transformers" in result.stdout
+    import psutil
+
+    assert f"RAM: {psutil.virtual_memory().total / 2**30:.0f} GiB" in result.stdout
