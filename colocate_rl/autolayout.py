@@ -142,7 +142,8 @@ class LayoutChoice:
         c, out = self.chosen, []
         if "distributed.zero_stage" in self.auto_keys and c.stage is not None:
             out += [] if deepspeed else [f"distributed.deepspeed={AUTO_BASE_CONFIG}"]
-            out += [f"distributed.zero_stage={c.stage}", f"distributed.offload_optimizer={str(c.offload_optimizer).lower()}",
+            out += [f"distributed.zero_stage={c.stage}",
+                    f"distributed.offload_optimizer={str(c.offload_optimizer).lower()}",
                     f"distributed.offload_params={str(c.offload_params).lower()}"]
         if "trainer.gradient_checkpointing" in self.auto_keys:
             out.append(f"trainer.gradient_checkpointing={str(c.gradient_checkpointing).lower()}")
@@ -244,8 +245,10 @@ def choose_layout(resolved, gpu_gib: float | None, prompt_tokens: int | None = N
     first = next((t for t in tried if t.fits), None)
     if first is not None:
         return done(first.candidate, tried, f"the first that fits ({first.peak_gib:.2f} ≤ {limit:.1f} GiB)")
-    return done(cands[-1], tried, f"none fits in {limit:.1f} GiB: the last candidate; see `colocate-rl mem-probe "
-                                  "--estimate` for other changes")
+    host = (f" (and its offload in {ram_gib * (1 - MARGIN):.1f} GiB of host memory)"
+            if any(not t.host_fits for t in tried) else "")
+    return done(cands[-1], tried, f"none fits in {limit:.1f} GiB{host}: the last candidate; see `colocate-rl "
+                                  "mem-probe --estimate` for other changes")
 
 
 def confirm_choice(choice: LayoutChoice, measured_peak_gib: float) -> tuple[bool, str]:

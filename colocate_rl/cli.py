@@ -470,8 +470,6 @@ def mem_probe(
     """GPU memory per rank and phase (generation, weight sync, training, optimizer step) and the vLLM share to set."""
     import json
 
-    import psutil
-
     from colocate_rl.estimate import PHASES, recommend, to_json
     from colocate_rl.host import detect_host
     from colocate_rl.recipe import load_recipe
@@ -511,7 +509,7 @@ def mem_probe(
             table.add_row(term, *(f"{row[p]:.2f}" if p in row else "" for p in PHASES))
         table.add_row("total", *(f"{rec.base.total(p):.2f}" for p in PHASES), style="bold")
         console.print(table)
-        ram = psutil.virtual_memory().total / 2**30 if host.gpus else None  # planning for this machine
+        ram = host.ram_gib if host.gpus else None  # the GPUs are here: planning for this machine
         for line in _mem_probe_lines(rec, ram) + (choice.lines() if choice is not None else []):
             console.print(line, highlight=False, soft_wrap=True)
     if write is not None:

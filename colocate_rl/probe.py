@@ -112,8 +112,9 @@ def bisect(trial: Callable[[float], TrialResult], lower: float, upper: float, re
     """The largest share in [lower, upper] (on a grid of `resolution`) whose trial completes. Trials are taken at
     `start` first (default the middle); when that is too high, 2, 4 and 8 grid steps below it until one is not (the
     start is the estimate's largest share, so the answer is usually near it); then halfway between the largest
-    passing share (else the largest too-low one) and the smallest too-high one, until they are one grid step apart. Too high (refused, OOM) bounds from
-    above, too low (KV cache) from below; any other outcome raises ProbeAborted."""
+    passing share (else the largest too-low one) and the smallest too-high one, until they are one grid step apart.
+    Too high (refused, OOM) bounds from above, too low (KV cache) from below; any other outcome raises
+    ProbeAborted."""
     if resolution <= 0:
         raise ValueError("resolution must be positive")
     lo, hi = max(1, math.ceil(lower / resolution - 1e-9)), math.floor(upper / resolution + 1e-9)  # never 0

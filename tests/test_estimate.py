@@ -351,19 +351,25 @@ def test_host_memory_of_offloaded_state_by_hand():
 
 
 def test_host_memory_line_against_this_machines_ram(monkeypatch):
-    from typer.testing import CliRunner
+    from dataclasses import replace
 
-    import psutil
+    from typer.testing import CliRunner
 
     from colocate_rl import cli as C, host
 
-    monkeypatch.setattr(host, "detect_host", lambda: host.assumed_host(1, 139.8))
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"total": 125 * GIB})())
+    def machine(ram):  # one H200 here, with `ram` GiB of memory
+        monkeypatch.setattr(host, "detect_host", lambda: replace(host.assumed_host(1, 139.8), assumed=False,
+                                                                 ram_gib=ram))
+
+    machine(125.0)
     result = CliRunner().invoke(C.app, ["mem-probe", "gpu-7b-layout-1gpu", "--estimate"], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
-    assert ("host memory per node: 113.5 GiB for offloaded optimizer (fp32 master + Adam + fp32 gradients) 113.5 "
-            "(the processes' own memory comes on top); this machine has 125 GiB of RAM: not enough") in result.output
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"total": 251 * GIB})())
+    # auto knows the RAM too: no offload layout fits in 112.5 GiB, so it took the last (optimizer + params)
+    assert ("host memory per node: 127.7 GiB for offloaded optimizer (fp32 master + Adam + fp32 gradients) 113.5, "
+            "offloaded parameters 14.2 (the processes' own memory comes on top); this machine has 125 GiB of RAM: "
+            "not enough") in result.output
+    assert "none fits in 125.8 GiB (and its offload in 112.5 GiB of host memory): the last" in result.output
+    machine(251.0)
     roomy = CliRunner().invoke(C.app, ["mem-probe", "gpu-7b-layout-1gpu", "--estimate"], env={"COLUMNS": "250"})
     assert "host memory per node: 113.5 GiB" in roomy.output and "not enough" not in roomy.output
 
