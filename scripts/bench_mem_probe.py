@@ -22,6 +22,7 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,19 +46,46 @@ def probe_command(recipe: str, sets: list[str], probe_dir: Path, args) -> list[s
     return argv
 
 
-def verify(recipe: str, sets: list[str], gpus: str, start: float, out_dir: Path, args) -> dict:
-    """Bisection with long trials around the probe's result: the largest share that runs verify_steps steps."""
+def verify(recipe: str, sets: list[str], gpus: str, start: float, out_dir: Path, args,
+           probe_trials: list[dict] = ()) -> dict:
+    """Bisection with long trials around the probe's result: the largest share that runs verify_steps steps.
+    Every finished trial is appended to `out_dir/trials.jsonl` and reused when the script runs again (a device
+    session can end mid-bisection). A share the probe saw fail as too high (start-up refused, out of memory) within
+    its shorter trials cannot run verify_steps steps either, so it counts as too high without a rerun, and so does any
+    share above one that failed as too high."""
+    log = out_dir / "trials.jsonl"
+    done = {}
+    for t in probe_trials:
+        if t["outcome"] in P.TOO_HIGH:
+            done[round(t["util"], 6)] = P.TrialResult(t["util"], t["outcome"], steps=t.get("steps", 0),
+                                                      detail=f"probe trial ({args.steps} steps): {t.get('detail', '')}")
+    if log.exists():
+        for line in log.read_text().splitlines():
+            row = json.loads(line)
+            done[round(row["util"], 6)] = P.TrialResult(**row)
     lower, upper = max(args.resolution, start - args.band), min(1.0, start + args.band)
-    count = 0
+    count = len(list(out_dir.glob("trial-*.out"))) if out_dir.exists() else 0
 
     def trial(util: float) -> P.TrialResult:
         nonlocal count
+        if round(util, 6) in done:
+            result = done[round(util, 6)]
+            print(f"  verify: share {util:g} → {result.outcome} (earlier: {result.detail or result.run_dir})",
+                  file=sys.stderr, flush=True)
+            return result
+        failed_below = [u for u, r in done.items() if r.outcome in P.TOO_HIGH and u < util]
+        if failed_below:  # a larger share leaves the trainer less memory still: not worth a trial
+            u = min(failed_below)
+            print(f"  verify: share {util:g} → too high ({u:g} failed: {done[u].outcome})", file=sys.stderr, flush=True)
+            return P.TrialResult(util, done[u].outcome, detail=f"implied: {u:g} failed ({done[u].outcome})")
         count += 1
         print(f"  verify trial {count}: share {util:g} ({args.verify_steps} steps) ...", file=sys.stderr, flush=True)
         result = P.run_trial(recipe, util, out_dir / P.trial_name(count, util), args.verify_steps, sets,
                              args.trial_timeout, cwd=ROOT, env={"CUDA_VISIBLE_DEVICES": gpus})
         print(f"  → {result.outcome} ({result.seconds:.0f} s, {result.steps} steps) {result.detail}", file=sys.stderr,
               flush=True)
+        with log.open("a") as f:
+            f.write(json.dumps({k: v for k, v in asdict(result).items() if k != "log_tail"}) + "\n")
         return result
 
     try:
@@ -67,7 +95,8 @@ def verify(recipe: str, sets: list[str], gpus: str, start: float, out_dir: Path,
     bound = ("≥" if result.largest is not None and result.largest >= result.upper else
              "≤" if result.largest is None else "")
     return {"true_largest": result.largest, "bound": bound, "window": [result.lower, result.upper],
-            "trials": [{"util": t.util, "outcome": t.outcome, "seconds": t.seconds, "steps": t.steps}
+            "trials": [{"util": t.util, "outcome": t.outcome, "seconds": t.seconds, "steps": t.steps,
+                        "detail": t.detail}
                        for t in result.trials], "notes": result.notes}
 
 
@@ -167,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== {name}: verification ({args.verify_steps} steps)", file=sys.stderr, flush=True)
                 begin = time.monotonic()
                 row["verify"] = verify(recipe, [*sets, *probe.get("pinned_sets", [])], gpus, probe["largest_passing"],
-                                       args.out / name / "verify", args)  # the probe's layout, not auto's per share
+                                       args.out / name / "verify", args, probe["trials"])  # the probe's layout
                 row["verify_s"] = round(time.monotonic() - begin, 1)
         rows.append(row)
         with (args.out / "results.jsonl").open("a") as f:

@@ -307,6 +307,41 @@ def test_bench_script_dry_run_prints_the_commands(tmp_path):
     assert bad.returncode == 2 and "unknown case(s) 7b" in bad.stderr
 
 
+def test_bench_verification_resumes_from_its_trial_log(tmp_path, monkeypatch):
+    """The bench's 20-step bisection (trials faked: a real one needs a GPU) reuses the trials a cut-off session
+    finished, and counts a share the probe saw run out of memory as too high without running it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import argparse
+
+    import bench_mem_probe as B
+
+    ran = []
+
+    def run_trial(recipe, util, run_dir, steps, sets, timeout_s, **kwargs):
+        ran.append(util)
+        Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+        Path(str(run_dir) + ".out").write_text("")
+        return P.TrialResult(util, P.OK if util <= 0.86 else P.OOM, 9.0, steps if util <= 0.86 else 4, str(run_dir))
+
+    monkeypatch.setattr(B.P, "run_trial", run_trial)
+    args = argparse.Namespace(steps=3, verify_steps=20, band=0.04, resolution=0.02, trial_timeout=60)
+    probe_trials = [{"util": 0.9, "outcome": P.OOM, "steps": 1, "detail": "CUDA error: out of memory"},
+                    {"util": 0.88, "outcome": P.OK, "steps": 3}]
+    first = B.verify("r.yaml", [], "0", 0.88, tmp_path, args, probe_trials)
+    assert ran == [0.88, 0.84, 0.86] and first["true_largest"] == 0.86  # 0.90 was not rerun
+    assert [t["outcome"] for t in first["trials"]] == [P.OOM, P.OK, P.OK]
+    ran.clear()  # a wider band: 0.90 lies above the probe's failure at 0.88, so it is not run either
+    args.band = 0.08
+    passing = B.verify("r.yaml", [], "0", 0.84, tmp_path / "b", args, [{**probe_trials[0], "util": 0.88}])
+    assert ran == [0.84, 0.86] and passing["true_largest"] == 0.86 and passing["bound"] == ""
+    assert [t["util"] for t in passing["trials"]] == [0.84, 0.9, 0.88, 0.86]
+    assert sorted(p.name for p in tmp_path.glob("trial-*.out")) == [
+        "trial-1-util0.88.out", "trial-2-util0.84.out", "trial-3-util0.86.out"]
+    ran.clear()
+    again = B.verify("r.yaml", [], "0", 0.88, tmp_path, args, probe_trials)
+    assert ran == [] and again["true_largest"] == 0.86 and again["bound"] == ""
+
+
 def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     """The GPU path of the CLI (host and trials faked): trials, the measured-vs-estimate table, --json, --write."""
     from typer.testing import CliRunner
