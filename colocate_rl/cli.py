@@ -372,6 +372,7 @@ def _mem_probe_measure(recipe: str, set_: list[str], gib: float, prompt_tokens: 
         raise UserError("generation.kv_cache_memory: set, so vLLM's share is fixed by it; the probe bisects "
                         "generation.vllm_gpu_memory_utilization: add --set generation.kv_cache_memory=null to probe it")
     lower, upper = max(est.lower, resolution), min(est.upper, 1.0)
+    search_upper = min(1.0, upper + P.SEARCH_ABOVE_ESTIMATE)  # the estimate can be low: its top is tried first
     if lower > upper:
         raise UserError(f"mem-probe: the estimate leaves no vLLM share that fits (window {est.lower:.3f} to "
                         f"{est.upper:.3f}); `colocate-rl mem-probe RECIPE --estimate` names the cheapest change: "
@@ -384,15 +385,16 @@ def _mem_probe_measure(recipe: str, set_: list[str], gib: float, prompt_tokens: 
     if probe_dir.exists() and any(probe_dir.iterdir()):
         raise UserError(f"--probe-dir: {probe_dir} is not empty; choose another directory or remove it")
     out = err_console if json_out else console
-    out.print(f"probing generation.vllm_gpu_memory_utilization in {lower:.3f}–{upper:.3f} (estimated window) "
-              f"at a resolution of {resolution:g}, {steps} steps a trial; trials in {probe_dir}", highlight=False)
+    out.print(f"probing generation.vllm_gpu_memory_utilization in {lower:.3f}–{search_upper:.3f} (the estimated "
+              f"window {lower:.3f}–{upper:.3f} and up to {P.SEARCH_ABOVE_ESTIMATE:g} above it; its top first) at a "
+              f"resolution of {resolution:g}, {steps} steps a trial; trials in {probe_dir}", highlight=False)
     if pinned:
         out.print(f"every trial trains with auto's layout at the recipe's share ({choice.chosen.label}): "
                   f"{' '.join(pinned)}", highlight=False, soft_wrap=True)
     result_line = lambda t: (f"  → {t.outcome} ({t.seconds:.0f} s, {t.steps} steps)"  # noqa: E731
                              + (f": {t.detail}" if t.detail else ""))
     try:
-        result = P.run_probe(path, [*(set_ or []), *pinned], lower, upper, upper, probe_dir, steps, resolution, margin,
+        result = P.run_probe(path, [*(set_ or []), *pinned], lower, search_upper, upper, probe_dir, steps, resolution, margin,
                              trial_timeout, on_start=lambda k, u: out.print(f"trial {k}: share {u:g} ...",
                                                                              highlight=False),
                              on_trial=lambda k, t: out.print(result_line(t), highlight=False, markup=False,
@@ -415,7 +417,8 @@ def _mem_probe_measure(recipe: str, set_: list[str], gib: float, prompt_tokens: 
     if json_out:
         print(json.dumps({"recipe": str(path), "gpu_memory_gib": gib, "steps": steps, "probe_dir": str(probe_dir),
                           "estimate": {"lower": round(est.lower, 4), "upper": round(est.upper, 4),
-                                       "chosen": est.chosen}, "pinned_sets": pinned, **P.to_json(result, estimate_at),
+                                       "chosen": est.chosen}, "searched": [round(lower, 4), round(search_upper, 4)],
+                          "pinned_sets": pinned, **P.to_json(result, estimate_at),
                           "layout_check": layout}))
     else:
         console.print(P.trials_table(result.trials))

@@ -389,6 +389,17 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     assert "recommended: generation.vllm_gpu_memory_utilization 0.58" in table.output
     assert "layout (auto): ZeRO-2 confirmed" in table.output
 
+    def roomy(recipe, util, run_dir, steps, sets, timeout_s, **kwargs):  # the estimate's top (0.94) is too low
+        calls.append(util)
+        return P.TrialResult(util, P.OK if util <= 0.97 else P.START_REFUSED, 1.0, steps, str(run_dir))
+
+    calls.clear()
+    monkeypatch.setattr(P, "run_trial", roomy)
+    above = CliRunner().invoke(cli.app, [*args, "--json", "--probe-dir", str(tmp_path / "probe4")])
+    found = json.loads(above.stdout.strip().splitlines()[-1])
+    assert calls == [0.94, 0.97, 0.99, 0.98] and found["searched"][1] == pytest.approx(0.994, abs=1e-3)
+    assert found["largest_passing"] == 0.97 and found["recommended"] == 0.95 and found["estimate"]["upper"] < 0.95
+
     def too_big(recipe, util, run_dir, steps, sets, timeout_s, **kwargs):  # training needs more than auto assumed
         return P.TrialResult(util, P.OK, 1.0, steps, str(run_dir), peaks={"generation": 4.2 + util * 140.4,
                                                                          "training": 131.0})
