@@ -1,6 +1,6 @@
 """`colocate-rl mem-probe RECIPE` (measuring): run the real recipe for a few steps at candidate vLLM shares
-(`generation.vllm_gpu_memory_utilization`), bisecting from the window `mem-probe --estimate` computes (up to SEARCH_ABOVE_ESTIMATE above it), and
-recommend the largest share that completes the steps, less a safety margin.
+(`generation.vllm_gpu_memory_utilization`), bisecting from the window `mem-probe --estimate` computes (up to
+SEARCH_ABOVE_ESTIMATE above it), and recommend the largest share that completes the steps, less a safety margin.
 
 - A trial is one `colocate-rl train` subprocess in a fresh process group (session) with its own run directory,
   a timeout, and every process it started ended before the next trial begins (GPU memory is not inherited).
