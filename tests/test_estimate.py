@@ -307,7 +307,8 @@ def test_gap_to_the_measured_h200_runs(run, recipe, gpus, sets, measured, phase,
 
 # The measuring probe's best trials (docs/benchmarks.md, issue 6; H200 140.4 GiB, eager mode, peaks per phase from
 # the timelines with a phase's start reading left out), estimated as the probe does (prompt = max_model_length −
-# completion). The 0.5B trials ran the layout auto picks at their share, written out here. Bounds record today's gap.
+# completion). The first 0.5B trials ran the layout auto picks at their share (a bug since fixed), written out here;
+# the later ones ran the recipe's own layout (ZeRO-2), pinned as the probe now does. Bounds record today's gap.
 PROBE_05B_SLEEP = ["distributed.deepspeed=zero3", "distributed.zero_stage=3", "distributed.offload_optimizer=true",
                    "distributed.offload_params=true", "trainer.gradient_checkpointing=true",
                    "generation.vllm_gpu_memory_utilization=0.94"]
@@ -315,8 +316,15 @@ PROBE_05B_AWAKE = ["generation.sleep_level=0", "distributed.deepspeed=zero3", "d
                    "distributed.offload_optimizer=true", "distributed.offload_params=false",
                    "trainer.gradient_checkpointing=true", "generation.vllm_gpu_memory_utilization=0.84"]
 
+PINNED_ZERO2 = ["distributed.deepspeed=zero3", "distributed.zero_stage=2", "distributed.offload_optimizer=false",
+                "distributed.offload_params=false", "trainer.gradient_checkpointing=false"]
+
 
 @pytest.mark.parametrize("recipe, gpus, sets, measured, bounds", [
+    ("gpu-0.5b-layout", 1, [*PINNED_ZERO2, "generation.vllm_gpu_memory_utilization=0.94"],
+     (139.941, 9.812, 20.215, 20.215), ((-0.01, 0), (0.01, 0.02), (0.09, 0.1), (0.09, 0.1))),
+    ("gpu-0.5b-layout", 1, ["generation.sleep_level=0", *PINNED_ZERO2, "generation.vllm_gpu_memory_utilization=0.84"],
+     (136.205, 136.205, 136.205, 136.205), ((-0.08, -0.07), (-0.08, -0.07), (0.02, 0.03), (0.02, 0.03))),
     ("gpu-0.5b-layout", 1, PROBE_05B_SLEEP, (136.025, 5.755, 7.343, 7.343),
      ((-0.03, 0), (-0.23, -0.2), (-0.1, -0.09), (-0.1, -0.09))),
     ("gpu-0.5b-layout", 1, PROBE_05B_AWAKE, (124.691, 124.691, 124.691, 124.691),
