@@ -6,7 +6,8 @@ with --set overrides), digits task, sleep mode on.
 Per step: 32 completions of up to 256 tokens (per_device_train_batch_size 16 × 2 ranks, num_generations 8); the
 larger-batch rows take 256 completions per step (the same micro-batch, gradient_accumulation_steps 8, one
 generation per optimizer step). Server mode: `trl vllm-serve` on GPU 1 and TRL's GRPOTrainer on GPU 0 with
-vllm_mode="server", micro-batch 16 × gradient_accumulation_steps 2 = the same 32 completions per optimizer step.
+vllm_mode="server", micro-batch 16 × gradient_accumulation_steps 2 = the same 32 completions per optimizer step
+(server-256: × 16 = 256).
 
 Use a fresh --out directory (a run directory that holds a finished run is refused). Each row runs with a timeout; a failing row is recorded and the next one runs. s/step is the median of the
 differences of `wall_s` in the run's metrics.jsonl over the steps after the first (the first holds the warm-up);
@@ -37,7 +38,7 @@ LAYOUT, SEED, MAX_MODEL_LEN, COMPLETION, GROUP, MICRO = "qwen2.5-1.5b", 0, 512, 
 AUTO = ["distributed.deepspeed=null", "distributed.zero_stage=auto", "trainer.gradient_checkpointing=auto"]
 ZERO3 = ["distributed.deepspeed=zero3", "distributed.zero_stage=3"]
 BIG = ["trainer.gradient_accumulation_steps=8"]  # 16 × 2 ranks × 8 = 256 completions per step
-# row → (--set overrides of the colocated run, completions per step); "server" is TRL's server mode
+# row → (--set overrides of the colocated run, completions per step); "server…" rows are TRL's server mode
 ROWS: dict[str, tuple[list[str], int]] = {
     "auto": (AUTO, 32),
     "zero3": (ZERO3, 32),
@@ -46,6 +47,7 @@ ROWS: dict[str, tuple[list[str], int]] = {
     "server": ([], 32),
     "auto-256": (AUTO + BIG, 256),
     "zero3-256": (ZERO3 + BIG, 256),
+    "server-256": ([], 256),  # one trainer rank: micro-batch 16 × 16 accumulation steps
 }
 
 SERVER_TRAINER = '''"""TRL GRPOTrainer in server mode (written by scripts/bench_layouts.py): one rank, vLLM served elsewhere."""
@@ -204,7 +206,7 @@ def model_dir(out: Path, dry_run: bool) -> Path:
 def bench_row(row: str, out: Path, steps: int, timeout: float, port: int, dry_run: bool) -> dict:
     run_dir = out / "runs" / row
     result: dict = {"row": row, "completions_per_step": ROWS[row][1], "steps": steps, "run_dir": str(run_dir)}
-    if row != "server":
+    if not row.startswith("server"):
         argv, env = colocated_command(row, run_dir, steps)
         result["command"] = shown(argv, env)
         if dry_run:
@@ -226,7 +228,7 @@ def bench_row(row: str, out: Path, steps: int, timeout: float, port: int, dry_ru
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         start = time.time()
-        with (out / "server-vllm.log").open("w") as f:
+        with (out / f"{row}-vllm.log").open("w") as f:
             server = subprocess.Popen(serve, env={**os.environ, **serve_env}, stdout=f, stderr=subprocess.STDOUT,
                                       cwd=ROOT, start_new_session=True)
         try:
@@ -234,7 +236,7 @@ def bench_row(row: str, out: Path, steps: int, timeout: float, port: int, dry_ru
                 left = max(60, timeout - (time.time() - start))
                 result["rc"] = run(train, train_env, out / f"{row}.log", left)
             else:
-                result["rc"], result["error"] = -1, "vLLM server did not become healthy (see server-vllm.log)"
+                result["rc"], result["error"] = -1, f"vLLM server did not become healthy (see {row}-vllm.log)"
         finally:
             stop(server)
     result["elapsed_s"] = round(time.time() - start, 1)
@@ -250,18 +252,20 @@ def markdown(results: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         s = r.get("median_s_per_step")
-        ref3 = base.get("zero3-256" if r["completions_per_step"] == 256 else "zero3")
+        big = r["completions_per_step"] == 256
+        ref3, refs = base.get("zero3-256" if big else "zero3"), base.get("server-256" if big else "server")
         ratio = lambda ref: f"{ref / s:.2f}" if s and ref else ""  # noqa: E731
         status = "ok" if r.get("ok") else f"failed (rc {r.get('rc')}{', ' + r['error'] if r.get('error') else ''})"
         lines.append("| " + " | ".join([r["row"], str(r["completions_per_step"]), r.get("layout", ""),
-                                        f"{s:.3f}" if s else "", ratio(ref3), ratio(base.get("server")),
+                                        f"{s:.3f}" if s else "", ratio(ref3), ratio(refs),
                                         *(str(r.get("times", {}).get(p, "")) for p in phases), status]) + " |")
-    auto, z3, srv = base.get("auto"), base.get("zero3"), base.get("server")
     lines.append("")
-    if auto and z3:
-        lines.append(f"- auto vs forced ZeRO-3 (32 completions/step): {z3 / auto:.2f}× (target ≥ 2×)")
-    if auto and srv:
-        lines.append(f"- auto vs server mode (32 completions/step): {srv / auto:.2f}× (target ≥ 1.7×)")
+    for suffix, n in (("", 32), ("-256", 256)):
+        auto, z3, srv = (base.get(name + suffix) for name in ("auto", "zero3", "server"))
+        if auto and z3:
+            lines.append(f"- auto vs forced ZeRO-3 ({n} completions/step): {z3 / auto:.2f}× (target ≥ 2×)")
+        if auto and srv:
+            lines.append(f"- auto vs server mode ({n} completions/step): {srv / auto:.2f}× (target ≥ 1.7×)")
     return "\n".join(lines) + "\n"
 
 

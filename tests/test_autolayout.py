@@ -245,7 +245,7 @@ def test_bench_script_dry_run_prints_every_row(tmp_path):
     assert result.returncode == 0, result.stderr
     assert not out.exists(), "a dry run writes nothing"
     text = result.stdout
-    for row in ("auto", "zero3", "zero2", "ddp", "server", "auto-256", "zero3-256"):
+    for row in ("auto", "zero3", "zero2", "ddp", "server", "auto-256", "zero3-256", "server-256"):
         assert f"# {row}\n" in text or f"# {row} (" in text
     common = ("--set trainer.max_steps=12 --set trainer.per_device_train_batch_size=16 --set trainer.num_generations=8 "
               "--set trainer.max_completion_length=256")
@@ -258,7 +258,7 @@ def test_bench_script_dry_run_prints_every_row(tmp_path):
     assert colocated[4].endswith("--set trainer.gradient_accumulation_steps=8")  # 16 × 2 ranks × 8 = 256
     assert f"CUDA_VISIBLE_DEVICES=1 {Path(sys.executable).with_name('trl')} vllm-serve --model " in text
     assert "CUDA_VISIBLE_DEVICES=0 HF_HUB_OFFLINE=1 " in text and "--nproc-per-node 1" in text
-    assert "http://127.0.0.1:8765 12" in text
+    assert text.count("http://127.0.0.1:8765 12") == 2  # the server rows: 32 and 256 completions per step
     bad = subprocess.run([sys.executable, "scripts/bench_layouts.py", "--out", str(out), "--rows", "zero5",
                           "--dry-run"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert bad.returncode == 2 and "unknown rows ['zero5']" in bad.stderr
@@ -284,6 +284,13 @@ def test_bench_results_from_metrics(tmp_path):
                         {"row": "auto", "completions_per_step": 32, "ok": True, "median_s_per_step": 1.5,
                          "times": {}}])
     assert "| auto | 32 |  | 1.500 | 2.00 |" in table and "auto vs forced ZeRO-3 (32 completions/step): 2.00×" in table
+    row = lambda name, n, s: {"row": name, "completions_per_step": n, "ok": True, "median_s_per_step": s,  # noqa: E731
+                              "times": {}}
+    big = B.markdown([row("auto-256", 256, 6.5), row("zero3-256", 256, 14.3), row("server-256", 256, 9.75),
+                      row("server", 32, 1.8)])  # each batch size compares with its own references
+    assert "| auto-256 | 256 |  | 6.500 | 2.20 | 1.50 |" in big and "(32 completions" not in big
+    assert "auto vs forced ZeRO-3 (256 completions/step): 2.20×" in big
+    assert "auto vs server mode (256 completions/step): 1.50×" in big
 
 
 def test_engine_trainer_offload_keeps_only_layouts_it_supports():
