@@ -394,8 +394,8 @@ def _mem_probe_measure(recipe: str, set_: list[str], gib: float, prompt_tokens: 
     result_line = lambda t: (f"  → {t.outcome} ({t.seconds:.0f} s, {t.steps} steps)"  # noqa: E731
                              + (f": {t.detail}" if t.detail else ""))
     try:
-        result = P.run_probe(path, [*(set_ or []), *pinned], lower, search_upper, upper, probe_dir, steps, resolution, margin,
-                             trial_timeout, on_start=lambda k, u: out.print(f"trial {k}: share {u:g} ...",
+        result = P.run_probe(path, [*(set_ or []), *pinned], lower, search_upper, upper, probe_dir, steps, resolution,
+                             margin, trial_timeout, on_start=lambda k, u: out.print(f"trial {k}: share {u:g} ...",
                                                                              highlight=False),
                              on_trial=lambda k, t: out.print(result_line(t), highlight=False, markup=False,
                                                              soft_wrap=True))
