@@ -78,6 +78,10 @@ class TrialResult:
     def ok(self) -> bool:
         return self.outcome == OK
 
+    def record(self) -> dict[str, Any]:
+        """The trial as JSON: every field but the log tail (that is for the error message)."""
+        return {k: v for k, v in asdict(self).items() if k != "log_tail"}
+
 
 @dataclass
 class ProbeResult:
@@ -443,7 +447,7 @@ def to_json(result: ProbeResult, estimate_at: Callable[[float], dict[str, float]
         "window": {"lower": result.lower, "upper": result.upper, "resolution": result.resolution},
         "margin": result.margin, "largest_passing": result.largest, "smallest_passing": result.smallest,
         "recommended": result.recommended, "notes": result.notes,
-        "trials": [{k: v for k, v in asdict(t).items() if k != "log_tail"} for t in result.trials]}
+        "trials": [t.record() for t in result.trials]}
     if best is not None and estimate_at is not None:
         out["phases"] = comparison(estimate_at(best.util), best.peaks)
     return out

@@ -22,7 +22,6 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +84,7 @@ def verify(recipe: str, sets: list[str], gpus: str, start: float, out_dir: Path,
         print(f"  → {result.outcome} ({result.seconds:.0f} s, {result.steps} steps) {result.detail}", file=sys.stderr,
               flush=True)
         with log.open("a") as f:
-            f.write(json.dumps({k: v for k, v in asdict(result).items() if k != "log_tail"}) + "\n")
+            f.write(json.dumps(result.record()) + "\n")
         return result
 
     try:
