@@ -13,6 +13,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -195,6 +197,34 @@ def build_model(layout: str, out_dir: str | Path, *, seed: int = 0, dtype: str =
     return out
 
 
+def build_model_in_subprocess(layout: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "float32",
+                              python: str = sys.executable) -> Path:
+    """build_model in a child Python process, so the caller never loads torch. The build runs on the GPU when
+    there is one, and a process that did so keeps its CUDA context and torch's cached blocks (the whole model) on
+    GPU 0 until it exits: the launcher waits for the whole run. Raises UserError with the child's own error lines
+    (exit 2), RuntimeError with its stderr tail for anything else."""
+    spec = json.dumps({"layout": layout, "out_dir": str(out_dir), "seed": seed, "dtype": dtype})
+    done = subprocess.run([python, "-m", "colocate_rl.builtin_model", spec], capture_output=True, text=True)
+    if done.returncode == 2:
+        raise UserError(*[line.removeprefix("error: ") for line in done.stderr.splitlines()
+                          if line.startswith("error: ")])
+    if done.returncode != 0:
+        raise RuntimeError(f"building the built-in model {layout} failed (exit {done.returncode}):\n"
+                           + done.stderr[-3000:])
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def _main(argv: list[str]) -> int:
+    """`python -m colocate_rl.builtin_model SPEC_JSON`: build_model(**SPEC), print the directory."""
+    try:
+        print(build_model(**json.loads(argv[0])))
+    except UserError as e:
+        for line in e.lines:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def load_tokenizer(path: str | Path):
     """The tokenizer for a built-in model dir, loaded as vLLM and TRL load it (AutoTokenizer); pad/eos set.
     Raises OSError if path holds no tokenizer files."""
@@ -206,3 +236,7 @@ def load_tokenizer(path: str | Path):
     if tok.eos_token is None:
         tok.eos_token = EOS
     return tok
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

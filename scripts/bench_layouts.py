@@ -197,9 +197,9 @@ def model_dir(out: Path, dry_run: bool) -> Path:
             return out / "runs" / row / "model"
     path = out / "model"
     if not dry_run and not (path / "config.json").exists():
-        from colocate_rl.builtin_model import build_model
+        from colocate_rl.builtin_model import build_model_in_subprocess  # this process must stay off GPU 0
 
-        build_model(LAYOUT, path, seed=SEED, dtype="bfloat16")
+        build_model_in_subprocess(LAYOUT, path, seed=SEED, dtype="bfloat16")
     return path
 
 

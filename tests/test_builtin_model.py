@@ -150,3 +150,24 @@ def test_refuses_foreign_dir(tmp_path):
     with pytest.raises(UserError, match="not a built-in model directory"):
         bm.build_model("tiny", tmp_path / "m")
     assert (tmp_path / "m" / "keep.txt").read_text() == "x"
+
+
+def test_subprocess_build_leaves_torch_out_of_the_caller(tmp_path, tiny):
+    # The launcher supervises the whole run: a build in its own process would keep the CUDA context and torch's
+    # cached blocks (the whole model) on GPU 0 until the run ends. Built in a child, the caller never loads torch,
+    # and the child's build is the same files as an in-process build with the same seed.
+    code = ("import json, sys; from colocate_rl.builtin_model import build_model_in_subprocess as b; "
+            f"print(b('tiny', {str(tmp_path / 'm')!r}, seed=0)); "
+            "print(json.dumps(sorted({'torch', 'transformers', 'tokenizers'} & set(sys.modules))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == [str(tmp_path / "m"), "[]"]
+    assert _weights(tmp_path / "m").keys() == _weights(tiny).keys()
+    assert all((_weights(tmp_path / "m")[k] == v).all() for k, v in _weights(tiny).items())
+
+
+def test_subprocess_build_reports_the_childs_user_error(tmp_path):
+    with pytest.raises(UserError, match=r"^model.name: unknown built-in layout 'x'; choose one of: tiny"):
+        bm.build_model_in_subprocess("x", tmp_path / "m")
+    with pytest.raises(UserError, match="dtype"):
+        bm.build_model_in_subprocess("tiny", tmp_path / "m", dtype="int8")
+    assert not (tmp_path / "m").exists()
