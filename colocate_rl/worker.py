@@ -116,7 +116,7 @@ def build_trainer(run_dir: Path):
         from colocate_rl.engine import install
 
         install(launch["engine"])
-    config = Config(**launch["trl_args"])
+    config = Config(**config_args(Config, launch["trl_args"]))
     # The process group is up now (DeepSpeed or accelerate): all nodes must run the same recipe.
     check_same_recipe(run_dir, launch)
     trainer = Trainer(model=launch["model_path"], reward_funcs=rewards, args=config, train_dataset=dataset,
@@ -145,6 +145,17 @@ def run(run_dir: Path) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def config_args(config_cls: type, args: dict[str, Any]) -> dict[str, Any]:
+    """args for TRL's config_cls. Newer transformers renamed `gradient_checkpointing*` to `activation_checkpointing*`
+    (the old names still work, with a FutureWarning on every rank): pass the new names where the config has them."""
+    import dataclasses
+
+    if "activation_checkpointing" not in {f.name for f in dataclasses.fields(config_cls)}:
+        return args
+    return {("activation" + k.removeprefix("gradient") if k.startswith("gradient_checkpointing") else k): v
+            for k, v in args.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

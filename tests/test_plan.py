@@ -100,3 +100,33 @@ def test_extra_args_pass_through():
     plan = plan_for({"trainer": {"extra_args": {"loss_type": "dr_grpo", "top_k": 5}}})
     args = json.loads(plan.files["launch.json"])["trl_args"]
     assert args["loss_type"] == "dr_grpo" and args["top_k"] == 5
+
+
+def test_trl_args_build_the_config_without_deprecation_warnings():
+    # The worker builds TRL's config from launch.json's trl_args. Newer transformers renamed gradient_checkpointing*
+    # to activation_checkpointing* (the old names warn on every rank); older ones only have the old names.
+    import dataclasses
+    import warnings
+
+    from trl import GRPOConfig
+
+    from colocate_rl.worker import config_args
+
+    args = json.loads(plan_for({"trainer": {"gradient_checkpointing": True}}).files["launch.json"])["trl_args"]
+    assert args["gradient_checkpointing"] is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        config = GRPOConfig(**config_args(GRPOConfig, args))
+    assert config.gradient_checkpointing is True
+
+    @dataclasses.dataclass
+    class Older:
+        gradient_checkpointing: bool = False
+        gradient_checkpointing_kwargs: dict | None = None
+
+    kept = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}, "seed": 1}
+    assert config_args(Older, kept) == kept
+    renamed = config_args(GRPOConfig, kept)
+    if "activation_checkpointing" in {f.name for f in dataclasses.fields(GRPOConfig)}:
+        assert renamed == {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": False},
+                           "seed": 1}
