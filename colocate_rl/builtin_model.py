@@ -205,9 +205,9 @@ def build_model_in_subprocess(layout: str, out_dir: str | Path, *, seed: int = 0
     (exit 2), RuntimeError with its stderr tail for anything else."""
     spec = json.dumps({"layout": layout, "out_dir": str(out_dir), "seed": seed, "dtype": dtype})
     done = subprocess.run([python, "-m", "colocate_rl.builtin_model", spec], capture_output=True, text=True)
-    if done.returncode == 2:
-        raise UserError(*[line.removeprefix("error: ") for line in done.stderr.splitlines()
-                          if line.startswith("error: ")])
+    errors = [line.removeprefix("error: ") for line in done.stderr.splitlines() if line.startswith("error: ")]
+    if done.returncode == 2 and errors:
+        raise UserError(*errors)
     if done.returncode != 0:
         raise RuntimeError(f"building the built-in model {layout} failed (exit {done.returncode}):\n"
                            + done.stderr[-3000:])
