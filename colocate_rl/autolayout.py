@@ -165,11 +165,9 @@ def _cand_json(c: Candidate) -> dict[str, Any]:
 
 
 def _zero(config: dict[str, Any] | None) -> tuple[int | None, bool, bool]:
-    if config is None:
-        return None, False, False
-    zero = config.get("zero_optimization", {})
-    off = lambda key: (zero.get(key) or {}).get("device", "none") not in ("none", None)  # noqa: E731
-    return zero.get("stage", 0), off("offload_optimizer"), off("offload_param")
+    from colocate_rl.ds_config import zero_settings
+
+    return zero_settings(config)[1:]
 
 
 def candidates(resolved, valid: Callable[[dict[str, Any]], bool] | None = None) -> list[Candidate]:

@@ -26,6 +26,14 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return out
 
 
+def zero_settings(config: dict[str, Any] | None) -> tuple[dict[str, Any], int | None, bool, bool]:
+    """A DeepSpeed config's ZeRO section, its stage (None without DeepSpeed), and whether optimizer states / params
+    are offloaded."""
+    zero = (config or {}).get("zero_optimization", {})
+    off = lambda key: (zero.get(key) or {}).get("device", "none") not in ("none", None)  # noqa: E731
+    return zero, (zero.get("stage", 0) if config else None), off("offload_optimizer"), off("offload_param")
+
+
 def load_base_config(spec: str) -> dict[str, Any]:
     """Read a shipped config by name or a JSON file by path."""
     shipped = shipped_deepspeed_configs()

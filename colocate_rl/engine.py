@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 
+from colocate_rl.errors import StaleWeightsError
+
 DEFAULT_OPTIONS: dict[str, Any] = {
     "sleep_level": 2,
     "kv_cache_memory_bytes": None,
@@ -46,10 +48,6 @@ DEFAULT_OPTIONS: dict[str, Any] = {
 # The trainer states moved out of the GPU during generation. Not the bf16 parameters: ZeRO-3 needs them for the
 # push and the trainer for the log-probabilities right after generation, and vLLM has its own copy.
 OFFLOADED_STATES = ("optim_states", "hp_params", "lp_grads", "contiguous_grad_buffer")
-
-
-class StaleWeightsError(RuntimeError):
-    """vLLM is not generating from the trainer's current weights."""
 
 
 def full_numel(param: torch.Tensor) -> int:

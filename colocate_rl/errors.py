@@ -1,4 +1,9 @@
-"""Errors the user can fix. The CLI prints them one per line and exits 2, without a traceback."""
+"""Errors that end a run with a message instead of a traceback. UserError: bad input the user can fix; the CLI prints
+it one line per problem and exits 2. StaleWeightsError: the worker prints it and exits 3."""
+
+
+class StaleWeightsError(RuntimeError):
+    """vLLM is not generating from the trainer's current weights (colocate_rl.engine's weight check)."""
 
 
 class UserError(Exception):

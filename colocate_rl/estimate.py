@@ -166,9 +166,9 @@ class Estimate:
 
 def zero_of(resolved) -> tuple[dict[str, Any], int | None, bool, bool]:
     """The ZeRO section, its stage (None without DeepSpeed), and whether optimizer states / params are on CPU."""
-    zero = (resolved.deepspeed or {}).get("zero_optimization", {})
-    off = lambda key: (zero.get(key) or {}).get("device", "none") not in ("none", None)  # noqa: E731
-    return zero, (zero.get("stage", 0) if resolved.deepspeed else None), off("offload_optimizer"), off("offload_param")
+    from colocate_rl.ds_config import zero_settings
+
+    return zero_settings(resolved.deepspeed)
 
 
 def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Estimate:
@@ -227,11 +227,11 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
     live = zero.get("stage3_max_live_parameters", 10**9)
     gather = 2 * min(live if isinstance(live, int) else 10**9, n) if stage == 3 else 0
     largest = 2 * lay.vocab * h
-    sync_gather = 0 if stage != 3 else largest if getattr(g, "engine", "trl") == "trl" else max(
-        largest, min(getattr(g, "weight_sync_bucket_mb", 0) * 2**20, 2 * n))
+    sync_gather = 0 if stage != 3 else largest if g.engine == "trl" else max(
+        largest, min(g.weight_sync_bucket_mb * 2**20, 2 * n))
     # generation.offload_trainer_during_generation: DeepSpeed's optimizer states, fp32 master weights and
     # gradients are on CPU while vLLM generates (colocate-rl's engine, after the weight push)
-    off_gen = bool(getattr(g, "offload_trainer_during_generation", False)) and stage is not None
+    off_gen = g.offload_trainer_during_generation and stage is not None
     not_generating = [ph for ph in PHASES if ph != "generation"] if off_gen else PHASES
     vllm_w = 2 * n / tp / GIB
 
@@ -258,7 +258,7 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
     fixed = {ph: sum(v.get(ph, 0.0) for v in terms.values()) for ph in PHASES}
     need = vllm_w + kv_gib + VLLM_ALLOWANCE_GIB
     kv_budget = None
-    if getattr(g, "kv_cache_memory", None) is not None:  # an absolute KV pool instead of util × GPU
+    if g.kv_cache_memory is not None:  # an absolute KV pool instead of util × GPU
         from colocate_rl.recipe import parse_size
 
         kv_budget = parse_size(g.kv_cache_memory) / GIB

@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from colocate_rl.errors import UserError
+from colocate_rl.telemetry import PHASES as TELEMETRY_PHASES
 
-PHASES = ("generate", "weight_sync", "weight_check", "wake", "sleep", "offload", "reload", "reward", "prepare", "train",
-          "optimizer", "other")
+PHASES = (*TELEMETRY_PHASES, "other")  # "other": the step's time outside every timed phase
 COLORS = dict(zip(PHASES, ("tab:blue", "tab:orange", "gold", "tab:green", "tab:red", "teal", "navy", "tab:purple",
                            "tab:brown", "tab:pink", "tab:olive", "tab:gray")))
 MEMORY_ROWS = ([(f"end of {p}", f"mem/{p}_end_gib") for p in PHASES] + [

@@ -267,8 +267,9 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
 
         choice = choose_layout(resolved, min(g.memory_gib for g in host.gpus) if has_gpu else None,
                                valid=lambda config: not _check_engine(recipe, config), ram_gib=host.ram_gib)
-        if auto_stage and _check_engine(recipe, choice.deepspeed):
-            raise UserError(*_check_engine(recipe, choice.deepspeed))
+        engine_problems = _check_engine(recipe, choice.deepspeed) if auto_stage else []
+        if engine_problems:
+            raise UserError(*engine_problems)
         resolved = replace(resolved, deepspeed=choice.deepspeed, gradient_checkpointing=choice.gradient_checkpointing,
                            layout_choice=choice)
     return resolved

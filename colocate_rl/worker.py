@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from colocate_rl.errors import UserError
+from colocate_rl.errors import StaleWeightsError, UserError
 
 METRICS_FILE = "metrics.jsonl"
 DONE_FILE = "DONE"
@@ -170,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"error: {line}\n")
             sys.stderr.flush()
         return 2
-    except Exception as e:
-        if type(e).__name__ != "StaleWeightsError":  # colocate_rl.engine's guard: its message says it all
-            raise
+    except StaleWeightsError as e:  # colocate_rl.engine's guard: its message says it all
         sys.stderr.write(f"error: {e}\n")
         sys.stderr.flush()
         return 3
