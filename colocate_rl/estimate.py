@@ -15,8 +15,13 @@ from typing import Any, Callable
 from colocate_rl.errors import UserError
 
 GIB = 2**30
-CUDA_CONTEXT_GIB = 0.5  # CUDA context + kernels of one process (torch, NCCL, vLLM); typical on Hopper, not measured
-SLEEP_RESIDUE_GIB = 1.2  # measured in use while vLLM 0.26 sleeps (level 2, 0.5B, H200): ../shared/notes/stack-facts.md
+# Memory a rank holds besides tensors, measured on H200s (docs/benchmarks.md, mem-probe accuracy, session 5):
+CUDA_CONTEXT_GIB = 1.25  # CUDA context, library workspaces, allocator slack of one process: 1.53 GiB besides tensors in
+#                          the 0.5B weight sync on one GPU (9.81 measured, 8.28 of tensors), less vLLM's asleep 0.28
+SLEEP_RESIDUE_GIB = 0.28  # what vLLM 0.26 keeps asleep (level 2), by the engine's own count on one rank (0.277 GiB)
+NCCL_GIB = 2.7  # more than one rank: NCCL communicators of vLLM (its asleep count is 1.97-2.20 GiB on 2 ranks, +1.8)
+#                 and of the trainer (2.0-2.3 GiB besides tensors and vLLM on 2 ranks, +0.9); 2 GPUs only, not more
+#                 ranks or nodes
 VLLM_ALLOWANCE_GIB = 2.0  # in vLLM's share besides weights and KV: CUDA graphs, the profile run's activation peak,
 #                           sampler, NCCL/cuBLAS workspaces. An allowance, not calibrated on a measurement.
 MARGIN = 0.05  # of the GPU, kept free on each side of the chosen vLLM share (estimate error, allocator slack)
@@ -237,7 +242,9 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
 
     terms: dict[str, dict[str, float]] = {}  # term → phase → GiB
     for name, value, phases in [
-        ("CUDA context", CUDA_CONTEXT_GIB * GIB, PHASES), ("trainer weights", weights, PHASES),
+        ("CUDA context", CUDA_CONTEXT_GIB * GIB, PHASES),
+        ("NCCL communicators (trainer and vLLM)", NCCL_GIB * GIB if world > 1 else 0, PHASES),
+        ("trainer weights", weights, PHASES),
         ("trainer gradients", grads, not_generating), ("reference model", ref, PHASES),
         ("optimizer states" + (" (AdamW)" if stage is None else " (fp32 master + Adam)"), opt, not_generating),
         ("optimizer step buffers", step, ["optimizer step"]),
