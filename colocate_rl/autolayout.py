@@ -51,6 +51,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from colocate_rl.ds_config import build_deepspeed_config, load_base_config, zero_settings
 from colocate_rl.errors import UserError
 
 MARGIN = 0.10  # of the GPU's memory, kept free above a candidate's estimated peak
@@ -165,9 +166,12 @@ def _cand_json(c: Candidate) -> dict[str, Any]:
 
 
 def _zero(config: dict[str, Any] | None) -> tuple[int | None, bool, bool]:
-    from colocate_rl.ds_config import zero_settings
-
     return zero_settings(config)[1:]
+
+
+def host_fits(host_gib: float, ram_gib: float | None) -> bool:
+    """Whether offloaded state of host_gib per node fits this machine's RAM less MARGIN (True when RAM is unknown)."""
+    return ram_gib is None or host_gib <= ram_gib * (1 - MARGIN)
 
 
 def candidates(resolved, valid: Callable[[dict[str, Any]], bool] | None = None) -> list[Candidate]:
@@ -175,8 +179,6 @@ def candidates(resolved, valid: Callable[[dict[str, Any]], bool] | None = None) 
     fastest first, each with its DeepSpeed JSON; explicit recipe settings applied, invalid ones (DeepSpeed's rules,
     and `valid(config)` false: e.g. the engine's trainer offload needs its optimizer states on the GPU) and
     duplicates dropped."""
-    from colocate_rl.ds_config import build_deepspeed_config, load_base_config
-
     dist, gc = resolved.recipe.distributed, resolved.recipe.trainer.gradient_checkpointing
     gcs = (False, True) if gc == "auto" else (bool(gc),)
     configs: list[dict[str, Any] | None] = []
@@ -238,8 +240,8 @@ def choose_layout(resolved, gpu_gib: float | None, prompt_tokens: int | None = N
             return done(chosen, [Tried(x) for x in cands],
                         f"no estimate ({err.lines[0]}), so the safe choice; set distributed.zero_stage to override")
         phase, peak = e.peak()
-        host_fits = ram_gib is None or e.host_gib <= ram_gib * (1 - MARGIN)
-        tried.append(Tried(c, peak, phase, peak <= limit and host_fits, e.host_gib, host_fits))
+        fits_host = host_fits(e.host_gib, ram_gib)
+        tried.append(Tried(c, peak, phase, peak <= limit and fits_host, e.host_gib, fits_host))
     first = next((t for t in tried if t.fits), None)
     if first is not None:
         return done(first.candidate, tried, f"the first that fits ({first.peak_gib:.2f} ≤ {limit:.1f} GiB)")

@@ -284,9 +284,9 @@ def _host_line(e, ram_gib: float | None) -> list[str]:
         return []
     line = (f"host memory per node: {e.host_gib:.1f} GiB for " + ", ".join(f"{k} {v:.1f}" for k, v in e.host.items())
             + " (the processes' own memory comes on top)")
-    from colocate_rl.autolayout import MARGIN
+    from colocate_rl.autolayout import host_fits
 
-    if ram_gib is not None and e.host_gib > (1 - MARGIN) * ram_gib:  # the host limit auto's choice uses
+    if not host_fits(e.host_gib, ram_gib):  # the host limit auto's choice uses
         line += f"; this machine has {ram_gib:.0f} GiB of RAM: not enough — use more GPUs or nodes, or less offload"
     return [line]
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from colocate_rl.ds_config import zero_settings
 from colocate_rl.errors import UserError
 
 GIB = 2**30
@@ -171,8 +172,6 @@ class Estimate:
 
 def zero_of(resolved) -> tuple[dict[str, Any], int | None, bool, bool]:
     """The ZeRO section, its stage (None without DeepSpeed), and whether optimizer states / params are on CPU."""
-    from colocate_rl.ds_config import zero_settings
-
     return zero_settings(resolved.deepspeed)
 
 
