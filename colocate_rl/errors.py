@@ -3,7 +3,7 @@ it one line per problem and exits 2. StaleWeightsError: the worker prints it and
 
 
 class StaleWeightsError(RuntimeError):
-    """vLLM is not generating from the trainer's current weights (colocate_rl.engine's weight check)."""
+    """vLLM is not generating from the trainer's current weights (colocate_rl.rank.vllm_engine's weight check)."""
 
 
 class UserError(Exception):

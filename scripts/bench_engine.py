@@ -63,7 +63,7 @@ def median_after_first(records: list[dict], key: str) -> float | None:
 
 def figures(name: str, run_dir: Path, code: int, wall: float, cmd: str) -> dict:
     row = {"row": name, "exit": code, "wall_s": round(wall, 1), "command": cmd}
-    from colocate_rl.launch import read_metrics
+    from colocate_rl.launch.execute import read_metrics
 
     steps = [r for r in read_metrics(run_dir) if "time/step_s" in r]
     row["steps"] = len(steps)

@@ -160,7 +160,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
 
 def step_stats(run_dir: Path) -> dict:
     """Median s/step (wall_s differences after the first step) and median time/*_s over the same steps."""
-    from colocate_rl.launch import read_metrics
+    from colocate_rl.launch.execute import read_metrics
 
     records = [r for r in read_metrics(run_dir) if "wall_s" in r and "train_runtime" not in r]
     by_step = {r["step"]: r for r in records}

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from colocate_rl import probe as P  # noqa: E402
+from colocate_rl.memory import probe as P  # noqa: E402
 
 CASES = {  # name → recipe, visible GPUs, overrides
     "0.5b-sleep": ("recipes/gpu-0.5b-layout.yaml", "0", []),

@@ -3,7 +3,7 @@
 
 from pathlib import Path
 
-from colocate_rl.reference import BEGIN, END, recipe_reference
+from colocate_rl.recipe.reference import BEGIN, END, recipe_reference
 
 readme = Path(__file__).resolve().parent.parent / "README.md"
 text = readme.read_text()

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from colocate_rl import autolayout as A
-from colocate_rl.host import assumed_host
-from colocate_rl.plan import make_plan
-from colocate_rl.recipe import load_recipe
-from colocate_rl.resolve import resolve
+from colocate_rl.memory import autolayout as A
+from colocate_rl.plan.host import assumed_host
+from colocate_rl.plan.launch_plan import make_plan
+from colocate_rl.recipe.schema import load_recipe
+from colocate_rl.plan.resolve import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -145,7 +145,7 @@ def test_nothing_auto_means_no_choice_and_the_recipe_as_written():
 
 
 def test_without_a_gpu_the_first_candidate_and_no_limit():
-    from colocate_rl.host import Host
+    from colocate_rl.plan.host import Host
 
     r = resolve(load_recipe(ROOT / "recipes" / "gpu-0.5b-layout.yaml"), Host(cpu_count=4))
     c = r.layout_choice

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from colocate_rl.shipped import shipped_recipes
+from colocate_rl.recipe.shipped import shipped_recipes
 from conftest import assert_user_error
 
 ROOT = Path(__file__).resolve().parent.parent

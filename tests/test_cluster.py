@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from colocate_rl.cluster import (
+from colocate_rl.plan.sources import (
     expand_hostlist,
     layer_distributed,
     mismatch_message,
@@ -23,11 +23,11 @@ from colocate_rl.cluster import (
     slurm_settings,
 )
 from colocate_rl.errors import UserError
-from colocate_rl.host import Gpu, Host
-from colocate_rl.launch import check_run_dir_free, worker_errors, write_run_dir
-from colocate_rl.plan import make_plan
-from colocate_rl.recipe import parse_recipe
-from colocate_rl.resolve import resolve
+from colocate_rl.plan.host import Gpu, Host
+from colocate_rl.launch.execute import check_run_dir_free, worker_errors, write_run_dir
+from colocate_rl.plan.launch_plan import make_plan
+from colocate_rl.recipe.schema import parse_recipe
+from colocate_rl.plan.resolve import resolve
 from conftest import assert_user_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -290,7 +290,7 @@ def write_fake_srun(bin_dir: Path, log: Path) -> None:
     srun.write_text(f"""#!/usr/bin/env bash
 set -euo pipefail
 while [ "$#" -gt 0 ] && [ "${{1#-}}" != "$1" ]; do echo "$1" >> {log}; shift; done
-hosts=$({sys.executable} -c 'import sys; from colocate_rl.cluster import expand_hostlist; print(*expand_hostlist(sys.argv[1]))' "$SLURM_JOB_NODELIST")
+hosts=$({sys.executable} -c 'import sys; from colocate_rl.plan.sources import expand_hostlist; print(*expand_hostlist(sys.argv[1]))' "$SLURM_JOB_NODELIST")
 i=0
 for host in $hosts; do
   SLURM_NODEID=$i SLURM_PROCID=$i SLURM_STEP_ID=0 SLURMD_NODENAME=$host SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST \\

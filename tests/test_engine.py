@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from colocate_rl import engine as E
+from colocate_rl.rank import vllm_engine as E
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -257,7 +257,7 @@ ZERO3_SCRIPT = textwrap.dedent("""
     import torch, deepspeed
     sys.path.insert(0, {tests!r})
     from test_engine import tiny_model, FakeLLM
-    from colocate_rl import engine as E
+    from colocate_rl.rank import vllm_engine as E
     from trl.distributed import DistributedBackend
 
     deepspeed.init_distributed(dist_backend="gloo")

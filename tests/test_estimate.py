@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from colocate_rl import estimate as E
+from colocate_rl.memory import estimate as E
 from colocate_rl.builtin_model import LAYOUTS, param_count
 from colocate_rl.errors import UserError
-from colocate_rl.host import assumed_host
-from colocate_rl.recipe import load_recipe
-from colocate_rl.resolve import resolve
+from colocate_rl.plan.host import assumed_host
+from colocate_rl.recipe.schema import load_recipe
+from colocate_rl.plan.resolve import resolve
 from conftest import assert_user_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +98,7 @@ def test_unknown_hub_id_says_to_pass_a_local_path():
 
 
 def test_import_is_light():
-    code = "import sys, colocate_rl.estimate; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
+    code = "import sys, colocate_rl.memory.estimate; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -384,7 +384,8 @@ def test_host_memory_line_against_this_machines_ram(monkeypatch):
 
     from typer.testing import CliRunner
 
-    from colocate_rl import cli as C, host
+    from colocate_rl import cli as C
+    from colocate_rl.plan import host
 
     def machine(ram):  # one H200 here, with `ram` GiB of memory
         monkeypatch.setattr(host, "detect_host", lambda: replace(host.assumed_host(1, 139.8), assumed=False,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from colocate_rl.launch import read_metrics
+from colocate_rl.launch.execute import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -157,7 +157,7 @@ def test_engine_cycle_per_sleep_level(tmp_path, level):
 
 
 STALE_REWARD = """
-import colocate_rl.engine as E
+import colocate_rl.rank.vllm_engine as E
 
 _push, _calls = E.ColocatedEngine._push_weights, []
 

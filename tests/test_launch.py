@@ -9,9 +9,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from colocate_rl.launch import LOG_FILE, execute, summarize
-from colocate_rl.plan import LaunchPlan
-from colocate_rl.recipe import dump_recipe, parse_recipe
+from colocate_rl.launch.execute import LOG_FILE, execute, summarize
+from colocate_rl.plan.launch_plan import LaunchPlan
+from colocate_rl.recipe.schema import dump_recipe, parse_recipe
 
 RECIPE = dump_recipe(parse_recipe({"rewards": [{"name": "digit_share"}]}))
 
@@ -68,8 +68,8 @@ LAUNCHER = """
 import sys
 from pathlib import Path
 from rich.console import Console
-from colocate_rl.launch import execute
-from colocate_rl.plan import LaunchPlan
+from colocate_rl.launch.execute import execute
+from colocate_rl.plan.launch_plan import LaunchPlan
 run, rank = Path(sys.argv[1]), sys.argv[2]
 plan = LaunchPlan(run_dir=run, argv=[sys.executable, rank, str(run)], env={}, files={})
 sys.exit(execute(plan, Console()))

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import yaml
 
-from colocate_rl.host import Gpu, Host
-from colocate_rl.plan import make_plan
-from colocate_rl.recipe import parse_recipe
-from colocate_rl.resolve import resolve
+from colocate_rl.plan.host import Gpu, Host
+from colocate_rl.plan.launch_plan import make_plan
+from colocate_rl.recipe.schema import parse_recipe
+from colocate_rl.plan.resolve import resolve
 
 CPU = Host(gpus=(), has_vllm=False, cpu_count=2)
 GPU8 = Host(gpus=(Gpu("H200", 140.0),) * 8, has_vllm=True, cpu_count=128)
@@ -110,7 +110,7 @@ def test_trl_args_build_the_config_without_deprecation_warnings():
 
     from trl import GRPOConfig
 
-    from colocate_rl.worker import config_args
+    from colocate_rl.rank.worker import config_args
 
     args = json.loads(plan_for({"trainer": {"gradient_checkpointing": True}}).files["launch.json"])["trl_args"]
     assert args["gradient_checkpointing"] is True

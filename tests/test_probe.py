@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from colocate_rl import probe as P
+from colocate_rl.memory import probe as P
 from conftest import assert_user_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -365,7 +365,8 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     """The GPU path of the CLI (host and trials faked): trials, the measured-vs-estimate table, --json, --write."""
     from typer.testing import CliRunner
 
-    from colocate_rl import cli, host
+    from colocate_rl import cli
+    from colocate_rl.plan import host
 
     monkeypatch.setattr(host, "detect_host", lambda: host.assumed_host(1, 140.4))
     calls = []

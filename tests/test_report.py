@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from colocate_rl import report as rep
+from colocate_rl.telemetry import report as rep
 from colocate_rl.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -251,6 +251,6 @@ def test_errors(tmp_path):
 
 def test_cli_import_stays_light():
     probe = subprocess.run([sys.executable, "-c", "import sys, colocate_rl.cli; print(sorted(m for m in "
-                            "('matplotlib', 'numpy', 'colocate_rl.report') if m in sys.modules))"],
+                            "('matplotlib', 'numpy', 'colocate_rl.telemetry.report') if m in sys.modules))"],
                            capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == "[]"

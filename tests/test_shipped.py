@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from colocate_rl.ds_config import build_deepspeed_config
-from colocate_rl.host import assumed_host, detect_host
-from colocate_rl.plan import make_plan
-from colocate_rl.recipe import load_recipe
-from colocate_rl.resolve import resolve
-from colocate_rl.shipped import recipe_summary, shipped_deepspeed_configs, shipped_recipes
+from colocate_rl.plan.deepspeed import build_deepspeed_config
+from colocate_rl.plan.host import assumed_host, detect_host
+from colocate_rl.plan.launch_plan import make_plan
+from colocate_rl.recipe.schema import load_recipe
+from colocate_rl.plan.resolve import resolve
+from colocate_rl.recipe.shipped import recipe_summary, shipped_deepspeed_configs, shipped_recipes
 
 RECIPES = shipped_recipes()
 

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from colocate_rl.telemetry import Telemetry
-from colocate_rl.worker import merge_telemetry_into_logs
+from colocate_rl.rank.telemetry import Telemetry
+from colocate_rl.rank.worker import merge_telemetry_into_logs
 
 
 def test_nested_phases_are_exclusive_and_add_up_to_the_step(tmp_path):

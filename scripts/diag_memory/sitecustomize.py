@@ -66,7 +66,7 @@ if "colocate_rl.worker" in " ".join(getattr(sys, "orig_argv", sys.argv)):
 
     class _Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "colocate_rl.engine":
+            if name != "colocate_rl.rank.vllm_engine":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.machinery.PathFinder.find_spec(name, path)

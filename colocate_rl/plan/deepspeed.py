@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from colocate_rl.errors import UserError
-from colocate_rl.shipped import shipped_deepspeed_configs
+from colocate_rl.recipe.shipped import shipped_deepspeed_configs
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from colocate_rl.ds_config import zero_settings
+from colocate_rl.plan.deepspeed import zero_settings
 from colocate_rl.errors import UserError
 
 GIB = 2**30
@@ -122,7 +122,7 @@ def layout_for(name: str) -> Layout:
 class Estimate:
     """One configuration's memory per phase (GiB per GPU) and its window for the vLLM share."""
 
-    resolved: Any  # colocate_rl.resolve.Resolved
+    resolved: Any  # colocate_rl.plan.resolve.Resolved
     layout: Layout
     gpu_gib: float
     terms: dict[str, dict[str, float]]  # term → phase → GiB, at the recipe's vLLM share
@@ -265,7 +265,7 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
     need = vllm_w + kv_gib + VLLM_ALLOWANCE_GIB
     kv_budget = None
     if g.kv_cache_memory is not None:  # an absolute KV pool instead of util × GPU
-        from colocate_rl.recipe import parse_size
+        from colocate_rl.recipe.schema import parse_size
 
         kv_budget = parse_size(g.kv_cache_memory) / GIB
     vllm_share = g.vllm_gpu_memory_utilization * gpu_gib if kv_budget is None else need - kv_gib + kv_budget

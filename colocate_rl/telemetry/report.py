@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from colocate_rl.errors import UserError
-from colocate_rl.telemetry import PHASES as TELEMETRY_PHASES
+from colocate_rl.rank.telemetry import PHASES as TELEMETRY_PHASES
 
 PHASES = (*TELEMETRY_PHASES, "other")  # "other": the step's time outside every timed phase
 COLORS = dict(zip(PHASES, ("tab:blue", "tab:orange", "gold", "tab:green", "tab:red", "teal", "navy", "tab:purple",

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from colocate_rl.errors import UserError
 
 if TYPE_CHECKING:
-    from colocate_rl.resolve import Resolved
+    from colocate_rl.plan.resolve import Resolved
 
 DEFAULT_PORT = 29500
 NODE_KEYS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
@@ -190,7 +190,7 @@ def parse_node_flags(nnodes: str | None, node_rank: str | None, rdzv_endpoint: s
 def layer_distributed(data: dict[str, Any], sets: list[str], flags: Mapping[str, Any],
                       env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     """Recipe mapping → (mapping with Slurm, `--set` and flag layers applied, source of each node key)."""
-    from colocate_rl.recipe import apply_overrides
+    from colocate_rl.recipe.schema import apply_overrides
 
     section = data.get("distributed")
     sources = {k: "recipe" if isinstance(section, dict) and k in section else "default" for k in NODE_KEYS}

@@ -22,8 +22,8 @@ from typing import Any
 from rich.console import Console
 
 from colocate_rl.errors import UserError
-from colocate_rl.plan import LaunchPlan
-from colocate_rl.worker import DONE_FILE, METRICS_FILE
+from colocate_rl.plan.launch_plan import LaunchPlan
+from colocate_rl.rank.worker import DONE_FILE, METRICS_FILE
 
 LOG_FILE = "train.log"
 
@@ -277,8 +277,8 @@ def execute(plan: LaunchPlan, console: Console, verbose: bool = False) -> int:
                       "(a crash at interpreter exit, known with vLLM sleep mode); the run counts as successful")
         code = 0
     if code != 0:
-        from colocate_rl.diagnose import diagnose
-        from colocate_rl.recipe import load_recipe
+        from colocate_rl.launch.failures import diagnose
+        from colocate_rl.recipe.schema import load_recipe
 
         log_file = log_path(plan)
         log = log_file.read_text(errors="replace") if log_file.exists() else ""

@@ -371,7 +371,7 @@ def parse_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read, override and validate a recipe file (no cross-field checks: see `colocate_rl.resolve`)."""
+    """Read, override and validate a recipe file (no cross-field checks: see `colocate_rl.plan.resolve`)."""
     data = apply_overrides(read_yaml(Path(path)), overrides or [])
     return parse_recipe(data, str(path))
 

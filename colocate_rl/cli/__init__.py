@@ -63,7 +63,7 @@ def _guarded(fn):
 
 
 def _recipe_path(recipe: str) -> Path:
-    from colocate_rl.shipped import shipped_recipes
+    from colocate_rl.recipe.shipped import shipped_recipes
 
     path = Path(recipe)
     if path.exists() or path.suffix in (".yaml", ".yml") or "/" in recipe:
@@ -78,10 +78,10 @@ def _resolve(recipe: str, overrides: list[str] | None, gpus: int | None, node_fl
              gpu_memory: float | None = None):
     """Load (defaults < recipe < Slurm environment < --set and node flags), validate, bind to the host.
     Returns the resolved recipe and where each distributed node key came from."""
-    from colocate_rl.cluster import explain_sources, layer_distributed
-    from colocate_rl.host import assumed_host, detect_host
-    from colocate_rl.recipe import parse_recipe, read_yaml
-    from colocate_rl.resolve import resolve
+    from colocate_rl.plan.sources import explain_sources, layer_distributed
+    from colocate_rl.plan.host import assumed_host, detect_host
+    from colocate_rl.recipe.schema import parse_recipe, read_yaml
+    from colocate_rl.plan.resolve import resolve
 
     path = _recipe_path(recipe)
     data, sources = layer_distributed(read_yaml(path), overrides or [], node_flags or {}, os.environ)
@@ -140,7 +140,7 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, gpus: GpusOpt = None, nnode
              node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvEndpointOpt = None, rdzv_id: RdzvIdOpt = None,
              gpu_memory: PlanMemOpt = None) -> None:
     """Check a recipe (schema and cross-field checks against this machine) without running it."""
-    from colocate_rl.cluster import parse_node_flags
+    from colocate_rl.plan.sources import parse_node_flags
 
     resolved, _ = _resolve(recipe, set_, gpus, parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id),
                            gpu_memory)
@@ -167,9 +167,9 @@ def train(
     gpu_memory: PlanMemOpt = None,
 ) -> None:
     """Train: validate the recipe, write the run directory, run torchrun with the worker on every rank."""
-    from colocate_rl.cluster import NODE_KEYS, parse_node_flags, slurm_note
-    from colocate_rl.launch import check_run_dir_free, default_run_dir, execute, summarize
-    from colocate_rl.plan import make_plan
+    from colocate_rl.plan.sources import NODE_KEYS, parse_node_flags, slurm_note
+    from colocate_rl.launch.execute import check_run_dir_free, default_run_dir, execute, summarize
+    from colocate_rl.plan.launch_plan import make_plan
 
     node_flags = parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id)
     resolved, sources = _resolve(recipe, set_, gpus, node_flags, gpu_memory)
@@ -220,7 +220,7 @@ def recipes(
     out: Annotated[Optional[Path], typer.Option("--out", help="Where to copy it (default ./NAME.yaml).")] = None,
 ) -> None:
     """List the shipped recipes, or copy one out to edit: `colocate-rl recipes quickstart`."""
-    from colocate_rl.shipped import recipe_summary, shipped_recipes
+    from colocate_rl.recipe.shipped import recipe_summary, shipped_recipes
 
     shipped = shipped_recipes()
     if name is None:
@@ -245,7 +245,7 @@ def env() -> None:
     """Versions, GPUs, and the generation backend `auto` would pick on this machine."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from colocate_rl.host import detect_host
+    from colocate_rl.plan.host import detect_host
 
     table = Table("package", "version")
     for package in ("colocate-rl", "torch", "transformers", "trl", "accelerate", "deepspeed", "vllm", "datasets"):
@@ -273,7 +273,7 @@ def report(
     out: Annotated[Optional[Path], typer.Option("--out", help="Directory for the PNGs (default the first RUN_DIR).")] = None,
 ) -> None:
     """Time and memory per phase, reward and run summary as tables, plus PNG plots (memory timeline, step breakdown, reward)."""
-    from colocate_rl.report import report as write_report
+    from colocate_rl.telemetry.report import report as write_report
 
     write_report(run_dirs, out, console)
 
@@ -284,7 +284,7 @@ def _host_line(e, ram_gib: float | None) -> list[str]:
         return []
     line = (f"host memory per node: {e.host_gib:.1f} GiB for " + ", ".join(f"{k} {v:.1f}" for k, v in e.host.items())
             + " (the processes' own memory comes on top)")
-    from colocate_rl.autolayout import host_fits
+    from colocate_rl.memory.autolayout import host_fits
 
     if not host_fits(e.host_gib, ram_gib):  # the host limit auto's choice uses
         line += f"; this machine has {ram_gib:.0f} GiB of RAM: not enough — use more GPUs or nodes, or less offload"
@@ -295,7 +295,7 @@ def _mem_probe_lines(rec, ram_gib: float | None = None) -> list[str]:
     """What `mem-probe --estimate` prints under its table: layout, batch, window, verdict, recommendation."""
     import json
 
-    from colocate_rl.estimate import CHANGES, MARGIN, PHASES, VLLM_ALLOWANCE_GIB, zero_of
+    from colocate_rl.memory.estimate import CHANGES, MARGIN, PHASES, VLLM_ALLOWANCE_GIB, zero_of
 
     b, lay, kv, G = rec.base, rec.base.layout, rec.base.kv, rec.base.gpu_gib
     r, stage = b.resolved.recipe, zero_of(b.resolved)[1]
@@ -339,7 +339,7 @@ def _write_recipe(target: Path, path: Path, sets: list[str], header: str) -> Non
     """A copy of the recipe at `path` with `sets` applied, written whole or not at all (temp file + rename)."""
     import yaml
 
-    from colocate_rl.recipe import apply_overrides, read_yaml
+    from colocate_rl.recipe.schema import apply_overrides, read_yaml
 
     if not target.parent.is_dir():
         raise UserError(f"--write: {target.parent} is not a directory; create it or choose another file name")
@@ -355,12 +355,12 @@ def _write_recipe(target: Path, path: Path, sets: list[str], header: str) -> Non
 def _mem_probe_measure(recipe: str, set_: list[str], gib: float, prompt_tokens: int | None, json_out: bool,
                        write: Path | None, steps: int, probe_dir: Path | None, resolution: float, margin: float,
                        trial_timeout: float) -> None:
-    """`mem-probe RECIPE` on a GPU machine: bisect vLLM's share with real trials (colocate_rl.probe)."""
+    """`mem-probe RECIPE` on a GPU machine: bisect vLLM's share with real trials (colocate_rl.memory.probe)."""
     import json
 
-    from colocate_rl import probe as P
-    from colocate_rl.autolayout import confirm_choice
-    from colocate_rl.estimate import PHASES, estimate as estimate_memory
+    from colocate_rl.memory import probe as P
+    from colocate_rl.memory.autolayout import confirm_choice
+    from colocate_rl.memory.estimate import PHASES, estimate as estimate_memory
 
     path = _recipe_path(recipe)
     resolved = _resolve(recipe, set_, None)[0]
@@ -475,9 +475,9 @@ def mem_probe(
     """GPU memory per rank and phase (generation, weight sync, training, optimizer step) and the vLLM share to set."""
     import json
 
-    from colocate_rl.estimate import PHASES, recommend, to_json
-    from colocate_rl.host import detect_host
-    from colocate_rl.recipe import load_recipe
+    from colocate_rl.memory.estimate import PHASES, recommend, to_json
+    from colocate_rl.plan.host import detect_host
+    from colocate_rl.recipe.schema import load_recipe
 
     host = detect_host()
     if not estimate and not host.gpus:

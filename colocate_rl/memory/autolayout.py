@@ -1,7 +1,7 @@
 """`distributed.zero_stage: auto` and `trainer.gradient_checkpointing: auto`: the fastest trainer layout that fits.
 
 `choose_layout` is a pure function of a resolved recipe and the GPU memory: it lists the candidate layouts in
-order of speed, estimates each one's peak memory per GPU with `colocate_rl.estimate` (the arithmetic of
+order of speed, estimates each one's peak memory per GPU with `colocate_rl.memory.estimate` (the arithmetic of
 `mem-probe --estimate`), and takes the first whose peak is at most the GPU's memory less a safety margin.
 
 Candidate order (by measured speed, not by how much memory each saves). Reference run: 2 H200s, random-init
@@ -51,7 +51,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from colocate_rl.ds_config import build_deepspeed_config, load_base_config, zero_settings
+from colocate_rl.plan.deepspeed import build_deepspeed_config, load_base_config, zero_settings
 from colocate_rl.errors import UserError
 
 MARGIN = 0.10  # of the GPU's memory, kept free above a candidate's estimated peak
@@ -213,7 +213,7 @@ def choose_layout(resolved, gpu_gib: float | None, prompt_tokens: int | None = N
     """The first of `candidates(resolved)` whose estimated peak (over all phases, at the recipe's vLLM share) is at
     most `gpu_gib × (1 − MARGIN)` and, when `ram_gib` (this machine's memory) is known, whose offloaded state fits in
     `ram_gib × (1 − MARGIN)`. `gpu_gib` None (no GPU): the first candidate, nothing estimated."""
-    from colocate_rl.estimate import estimate
+    from colocate_rl.memory.estimate import estimate
 
     dist, trainer = resolved.recipe.distributed, resolved.recipe.trainer
     auto_keys = tuple(k for k, v in (("distributed.zero_stage", dist.zero_stage),

@@ -19,7 +19,7 @@ pinned exactly: this relies on its internals). Per step, on every rank, the cycl
   trainer pushed; a mismatch raises `StaleWeightsError` (the run stops).
 
 Every step of the cycle is a method (`_wake`, `_sleep`, `sync_weights`, `_offload_trainer`, `_reload_trainer`)
-that `colocate_rl.telemetry` times as a phase. Importing this module needs TRL but not vLLM.
+that `colocate_rl.rank.telemetry` times as a phase. Importing this module needs TRL but not vLLM.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The launch plan: a pure function from a resolved recipe to argv, environment and run-dir files.
 
-No I/O happens here, so the plan is tested by comparing exact values. `colocate_rl.launch` executes it.
+No I/O happens here, so the plan is tested by comparing exact values. `colocate_rl.launch.execute` executes it.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from colocate_rl.cluster import IDENTITY_FILE, NODE_RANK_ENV, NODES_DIR, RECIPE_HASH_ENV, identity_hash, recipe_identity
-from colocate_rl.recipe import dump_recipe, parse_size
-from colocate_rl.resolve import Resolved
+from colocate_rl.plan.sources import IDENTITY_FILE, NODE_RANK_ENV, NODES_DIR, RECIPE_HASH_ENV, identity_hash, recipe_identity
+from colocate_rl.recipe.schema import dump_recipe, parse_size
+from colocate_rl.plan.resolve import Resolved
 
-WORKER_MODULE = "colocate_rl.worker"
+WORKER_MODULE = "colocate_rl.worker"  # the entry point every launch.sh names: keep it stable
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
 
 
 def engine_options(resolved: Resolved) -> dict[str, Any] | None:
-    """Options of colocate-rl's vLLM engine (`colocate_rl.engine`) for this run; None when TRL's engine or no
+    """Options of colocate-rl's vLLM engine (`colocate_rl.rank.vllm_engine`) for this run; None when TRL's engine or no
     vLLM generates."""
     gen = resolved.recipe.generation
     if resolved.backend != "vllm" or gen.engine != "colocate-rl":

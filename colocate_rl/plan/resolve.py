@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from colocate_rl.errors import UserError
-from colocate_rl.host import Host
-from colocate_rl.recipe import Recipe
+from colocate_rl.plan.host import Host
+from colocate_rl.recipe.schema import Recipe
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -56,7 +56,7 @@ class Resolved:
     deepspeed: dict[str, Any] | None
     builtin_layout: str | None  # set when model.name is builtin:<layout>
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing as resolved (auto → chosen)
-    layout_choice: Any = None  # colocate_rl.autolayout.LayoutChoice when zero_stage or gradient_checkpointing is auto
+    layout_choice: Any = None  # colocate_rl.memory.autolayout.LayoutChoice when zero_stage or gradient_checkpointing is auto
 
     @property
     def world_size(self) -> int:
@@ -65,7 +65,7 @@ class Resolved:
 
 def trl_field_names(algorithm: str) -> set[str]:
     """Field names of TRL's GRPOConfig / RLOOConfig for the pinned TRL (checked against TRL by a test)."""
-    data = json.loads(resources.files("colocate_rl").joinpath("trl_fields.json").read_text())
+    data = json.loads(resources.files("colocate_rl.recipe").joinpath("trl_fields.json").read_text())
     return set(data[algorithm])
 
 
@@ -238,10 +238,10 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
         if dist.deepspeed_overrides:
             problems.append("distributed.deepspeed_overrides: needs a DeepSpeed config; set distributed.deepspeed")
     else:
-        from colocate_rl.autolayout import AUTO_BASE_CONFIG
-        from colocate_rl.ds_config import build_deepspeed_config
+        from colocate_rl.memory.autolayout import AUTO_BASE_CONFIG
+        from colocate_rl.plan.deepspeed import build_deepspeed_config
 
-        try:  # auto: checked at stage 3, where every setting applies; colocate_rl.autolayout picks the stage below
+        try:  # auto: checked at stage 3, where every setting applies; colocate_rl.memory.autolayout picks the stage below
             deepspeed = build_deepspeed_config(
                 dist.deepspeed or AUTO_BASE_CONFIG, precision=precision,
                 zero_stage=3 if auto_stage else dist.zero_stage,
@@ -263,7 +263,7 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
     if auto_stage or trainer.gradient_checkpointing == "auto":
         from dataclasses import replace
 
-        from colocate_rl.autolayout import choose_layout
+        from colocate_rl.memory.autolayout import choose_layout
 
         choice = choose_layout(resolved, min(g.memory_gib for g in host.gpus) if has_gpu else None,
                                valid=lambda config: not _check_engine(recipe, config), ram_gib=host.ram_gib)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from colocate_rl.recipe import Recipe
+from colocate_rl.recipe.schema import Recipe
 
 MEM_PROBE = "`colocate-rl mem-probe RECIPE` measures what fits on the GPUs (`--estimate` computes it without one)"
 

@@ -8,7 +8,7 @@ SEARCH_ABOVE_ESTIMATE above it), and recommend the largest share that completes 
   memory → the share is too high; vLLM's KV cache cannot hold a sequence → too low; anything else stops the
   probe (bisecting on an unknown failure would report nonsense).
 - `bisect` is pure: it takes `trial(util) -> TrialResult`, so it is tested without GPUs.
-- `phase_peaks` reads the trial's `timeline/rank<N>.jsonl` files (colocate_rl.telemetry) and gives each
+- `phase_peaks` reads the trial's `timeline/rank<N>.jsonl` files (colocate_rl.rank.telemetry) and gives each
   estimator phase's peak (GiB, the largest of all ranks, the first step left out: it includes the warm-up).
 """
 
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from colocate_rl.estimate import PHASES
+from colocate_rl.memory.estimate import PHASES
 
 OK = "ok"
 START_REFUSED = "vLLM refused to start"  # too high: the share is not free at start-up
@@ -366,7 +366,7 @@ def run_trial(recipe: str | Path, util: float, run_dir: Path, steps: int, sets: 
               env: dict[str, str] | None = None) -> TrialResult:
     """Train `recipe` for `steps` steps at share `util` in `run_dir` (must not exist); classify the outcome and
     read the per-phase peaks. `train`'s own output goes to `<run_dir>.out` beside the run directory."""
-    from colocate_rl.launch import LOG_FILE, read_metrics
+    from colocate_rl.launch.execute import LOG_FILE, read_metrics
 
     run_dir = Path(run_dir).absolute()
     run_dir.parent.mkdir(parents=True, exist_ok=True)

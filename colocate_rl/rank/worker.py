@@ -1,0 +1,181 @@
+"""The per-rank program: `python -m colocate_rl.worker RUN_DIR`, started by torchrun on every rank.
+
+Reads everything from the run directory (`recipe.yaml`, `launch.json`, `deepspeed.json`), builds the
+tokenizer, dataset, rewards and TRL config, trains with GRPOTrainer or RLOOTrainer, saves the final
+model and tears the process group down. Rank 0 appends one JSON object per logged step to
+`metrics.jsonl` and writes `DONE` once the final model is saved.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from colocate_rl.errors import StaleWeightsError, UserError
+
+METRICS_FILE = "metrics.jsonl"
+DONE_FILE = "DONE"
+
+
+def make_metrics_callback(path: Path, telemetry):
+    """A TrainerCallback that drives `telemetry` at step edges and appends every log record (TRL's values,
+    telemetry, step, wall seconds) to `path` on rank 0."""
+    from transformers import TrainerCallback
+
+    class MetricsCallback(TrainerCallback):
+        def __init__(self):
+            self.start = time.time()
+            self.trainer = None  # set once the trainer exists
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.time()
+            telemetry.instrument_optimizer(self.trainer)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            telemetry.step_begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            telemetry.pending = telemetry.step_end(state.global_step)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            telemetry.close()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or not logs:
+                return
+            record: dict[str, Any] = {"step": state.global_step, "max_steps": state.max_steps,
+                                      "wall_s": round(time.time() - self.start, 3)}
+            record.update({k: v for k, v in logs.items() if isinstance(v, (int, float, str))})
+            with path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    return MetricsCallback()
+
+
+def merge_telemetry_into_logs(trainer, telemetry) -> None:
+    """Wrap `trainer.log` so each step's telemetry (and generation tokens/s) reaches every log backend."""
+    original = trainer.log
+
+    def log(logs, *args, **kwargs):
+        if telemetry.pending and "train_runtime" not in logs:
+            extra, telemetry.pending = telemetry.pending, {}
+            lengths = trainer._metrics.get("train", {}).get("completions/mean_length") or []
+            generate_s = extra.get("time/generate_s", 0.0)
+            if lengths and generate_s > 0:
+                tokens = sum(lengths) / len(lengths) * trainer.args.generation_batch_size
+                extra["gen/tokens_per_s"] = round(tokens / generate_s, 1)
+            logs = {**logs, **extra}
+        return original(logs, *args, **kwargs)
+
+    trainer.log = log
+
+
+def load_tokenizer(model_path: str, builtin: bool):
+    """The trainer's tokenizer; a built-in model's tokenizer is loaded the way it was saved."""
+    if builtin:
+        from colocate_rl.builtin_model import load_tokenizer as load_builtin
+
+        return load_builtin(model_path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path, padding_side="left")
+
+
+def build_trainer(run_dir: Path):
+    """Construct the TRL trainer for this rank from the run directory's files."""
+    from colocate_rl.plan.sources import check_same_recipe
+    from colocate_rl.recipe.schema import load_recipe
+    from colocate_rl.tasks import load_prompts, resolve_reward
+    from colocate_rl.rank.telemetry import Telemetry
+
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    launch = json.loads((run_dir / "launch.json").read_text())
+    data = recipe.data
+    dataset = load_prompts(data.source, split=data.split, subset=data.subset, prompt_field=data.prompt_field,
+                           chat=data.chat, system_prompt=data.system_prompt, num_samples=data.num_samples,
+                           seed=recipe.trainer.seed)
+    rewards = [resolve_reward(r.name, key=f"rewards[{i}].name") for i, r in enumerate(recipe.rewards)]
+    tokenizer = load_tokenizer(launch["model_path"], recipe.model.name.startswith("builtin:"))
+    telemetry = Telemetry(run_dir)
+    callback = make_metrics_callback(run_dir / METRICS_FILE, telemetry)
+
+    if recipe.algorithm == "grpo":
+        from trl import GRPOConfig as Config, GRPOTrainer as Trainer
+    else:
+        from trl import RLOOConfig as Config, RLOOTrainer as Trainer
+    if "deepspeed" in launch["trl_args"]:
+        # DeepSpeed reads the world size from its own comm layer: bring it up before HF builds the config
+        # (accelerate alone leaves it unset on CPU, and ZeRO-3 then sees a world of 1).
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo" if launch["device"] == "cpu" else "nccl")
+    if launch.get("engine"):  # colocate-rl's own vLLM engine instead of TRL's (colocate_rl/engine.py)
+        from colocate_rl.rank.vllm_engine import install
+
+        install(launch["engine"])
+    config = Config(**config_args(Config, launch["trl_args"]))
+    # The process group is up now (DeepSpeed or accelerate): all nodes must run the same recipe.
+    check_same_recipe(run_dir, launch)
+    trainer = Trainer(model=launch["model_path"], reward_funcs=rewards, args=config, train_dataset=dataset,
+                      processing_class=tokenizer, callbacks=[callback])
+    callback.trainer = trainer
+    telemetry.instrument(trainer)
+    merge_telemetry_into_logs(trainer, telemetry)
+    return recipe, trainer
+
+
+def run(run_dir: Path) -> None:
+    """Train, save, and leave the process group cleanly (ZeRO-3 on CPU may abort at exit otherwise)."""
+    import torch.distributed as dist
+
+    recipe, trainer = build_trainer(run_dir)
+    trainer.train()
+    if recipe.output.save_model:
+        trainer.save_model(str(run_dir / "final"))
+        if trainer.is_world_process_zero():
+            trainer.processing_class.save_pretrained(str(run_dir / "final"))
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    if trainer.is_world_process_zero():
+        done = {"global_step": trainer.state.global_step, "world_size": trainer.accelerator.num_processes}
+        (run_dir / DONE_FILE).write_text(json.dumps(done) + "\n")
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def config_args(config_cls: type, args: dict[str, Any]) -> dict[str, Any]:
+    """args for TRL's config_cls. Newer transformers renamed `gradient_checkpointing*` to `activation_checkpointing*`
+    (the old names still work, with a FutureWarning on every rank): pass the new names where the config has them."""
+    import dataclasses
+
+    if "activation_checkpointing" not in {f.name for f in dataclasses.fields(config_cls)}:
+        return args
+    return {("activation" + k.removeprefix("gradient") if k.startswith("gradient_checkpointing") else k): v
+            for k, v in args.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m colocate_rl.worker RUN_DIR (started by `colocate-rl train`)", file=sys.stderr)
+        return 2
+    try:
+        run(Path(args[0]))
+    except UserError as e:
+        for line in e.lines:  # one write per line: ranks share the pipe, lines must not interleave
+            sys.stderr.write(f"error: {line}\n")
+            sys.stderr.flush()
+        return 2
+    except StaleWeightsError as e:  # colocate_rl.rank.vllm_engine's guard: its message says it all
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Behaviour pinned across refactors: `train --dry-run`, the run-dir files of the plan (launch.sh, launch.json,
+recipe.yaml, deepspeed.json, the node files), `validate` and `mem-probe --estimate` of every shipped recipe are
+byte-identical to the copies recorded in tests/golden/ (recorded before the package was restructured).
+
+A deliberate change of any of these outputs re-records them: `COLOCATE_RL_RECORD_GOLDEN=1 pytest tests/test_golden.py`
+and review the diff of tests/golden/."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from colocate_rl.cli import app
+from colocate_rl.pipeline import load_resolved, parse_node_flags
+from colocate_rl.plan.launch_plan.plan import make_plan
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+RECORD = os.environ.get("COLOCATE_RL_RECORD_GOLDEN") == "1"
+PLAN_CASES = sorted(p.stem for p in (GOLDEN / "plan").glob("*.json"))
+CLI_CASES = sorted(p.stem for p in (GOLDEN / "cli").glob("*.json"))
+RANK_ENV = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR",
+            "HF_HUB_OFFLINE", "MASTER_PORT")
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    for key in list(os.environ):
+        if key.startswith("SLURM_") or key in RANK_ENV:
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/cache")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _options(args: list[str]) -> tuple[str, dict[str, str | list[str]]]:
+    name, options = args[0], {"--set": []}
+    for flag, value in zip(args[1::2], args[2::2]):
+        if flag == "--set":
+            options["--set"].append(value)
+        else:
+            options[flag] = value
+    return name, options
+
+
+def _compare(path: Path, got: dict) -> None:
+    if RECORD:
+        path.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+        return
+    want = json.loads(path.read_text())
+    for key in want:
+        assert got.get(key) == want[key], f"{path.name}: {key} differs from the recorded copy"
+
+
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_dry_run_and_run_dir_files_are_unchanged(case, clean_env):
+    path = GOLDEN / "plan" / f"{case}.json"
+    args = json.loads(path.read_text())["args"]
+    run_dir = f"/runs/{case}"
+    result = CliRunner().invoke(app, ["train", *args, "--dry-run", "--run-dir", run_dir])
+    got = {"args": args, "exit": result.exit_code,
+           "stdout": result.stdout.replace(sys.executable, "<python>").replace(str(clean_env), "<cwd>"),
+           "stderr": result.stderr.replace(sys.executable, "<python>")}
+    if result.exit_code == 0:
+        name, opts = _options(args)
+        flags = parse_node_flags(opts.get("--nnodes"), opts.get("--node-rank"), opts.get("--rdzv-endpoint"),
+                                 opts.get("--rdzv-id"))
+        resolved, _ = load_resolved(name, {}, opts["--set"], flags=flags, env=os.environ,
+                                    gpus=int(opts["--gpus"]) if "--gpus" in opts else None,
+                                    gpu_memory=float(opts["--gpu-memory"]) if "--gpu-memory" in opts else None)
+        plan = make_plan(resolved, run_dir=Path(run_dir), python="<python>", cwd=Path("/cwd"),
+                         cache_dir=Path("/cache/colocate-rl"), base_env={})
+        got.update(files=plan.files, env=plan.env, argv=plan.argv, builtin_model=plan.builtin_model)
+    _compare(path, got)
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_validate_and_estimate_output_is_unchanged(case, clean_env):
+    path = GOLDEN / "cli" / f"{case}.json"
+    args = json.loads(path.read_text())["args"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "160"})
+    _compare(path, {"args": args, "exit": result.exit_code, "stdout": result.stdout, "stderr": result.stderr})
