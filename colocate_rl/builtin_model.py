@@ -35,22 +35,65 @@ CHAT_TEMPLATE = (
 )
 
 # Shared Qwen2.5 values (from the released config.json files).
-_QWEN = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000.0, initializer_range=0.02,
-             attention_dropout=0.0, use_sliding_window=False, use_cache=True)
+_QWEN = dict(
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    initializer_range=0.02,
+    attention_dropout=0.0,
+    use_sliding_window=False,
+    use_cache=True,
+)
 
 LAYOUTS: dict[str, dict] = {
-    "tiny": dict(_QWEN, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=TOKENIZER_VOCAB, max_position_embeddings=2048,
-                 tie_word_embeddings=True, max_window_layers=2),
-    "qwen2.5-0.5b": dict(_QWEN, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
-                         tie_word_embeddings=True, max_window_layers=21),
-    "qwen2.5-1.5b": dict(_QWEN, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768,
-                         tie_word_embeddings=True, max_window_layers=21),
-    "qwen2.5-7b": dict(_QWEN, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768,
-                       tie_word_embeddings=False, max_window_layers=28),
+    "tiny": dict(
+        _QWEN,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=TOKENIZER_VOCAB,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        max_window_layers=2,
+    ),
+    "qwen2.5-0.5b": dict(
+        _QWEN,
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        max_window_layers=21,
+    ),
+    "qwen2.5-1.5b": dict(
+        _QWEN,
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        max_window_layers=21,
+    ),
+    "qwen2.5-7b": dict(
+        _QWEN,
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        max_window_layers=28,
+    ),
 }
 
 
@@ -64,8 +107,9 @@ def param_count(layout: str) -> int:
     """Exact parameter count from the config arithmetic (Qwen2: q/k/v biases, no o_proj bias, SwiGLU MLP,
     RMSNorm weights). Raises UserError for an unknown layout."""
     c = _layout(layout)
-    h, nh, kv, ff, v = (c[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
-                                       "intermediate_size", "vocab_size"))
+    h, nh, kv, ff, v = (
+        c[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+    )
     hd = c.get("head_dim", h // nh)
     attn = (h * nh * hd + nh * hd) + 2 * (h * kv * hd + kv * hd) + nh * hd * h
     layer = attn + 3 * h * ff + 2 * h
@@ -75,12 +119,14 @@ def param_count(layout: str) -> int:
 def _corpus(n: int = 3000) -> list[str]:
     """Deterministic English-ish text: sentences, numbers, arithmetic, chat-formatted turns."""
     rng = random.Random(1234)
-    words = ("the a an of to and in is it you that he she was for on are as with his her they at be this have from "
-             "or one had by word but not what all were we when your can said there use each which do how their if "
-             "will up other about out many then them these so some would make like him into time has look two more "
-             "write go see number no way could people my than first water been call who now find long down day did "
-             "get come made may part answer question think step solve total sum add plus minus times equals apple "
-             "books each left right true false yes because therefore").split()
+    words = (
+        "the a an of to and in is it you that he she was for on are as with his her they at be this have from "
+        "or one had by word but not what all were we when your can said there use each which do how their if "
+        "will up other about out many then them these so some would make like him into time has look two more "
+        "write go see number no way could people my than first water been call who now find long down day did "
+        "get come made may part answer question think step solve total sum add plus minus times equals apple "
+        "books each left right true false yes because therefore"
+    ).split()
     roles = ("system", "user", "assistant")
     out = []
     for _ in range(n):
@@ -90,8 +136,10 @@ def _corpus(n: int = 3000) -> list[str]:
             op = rng.choice("+-*")
             out.append(f"What is {a} {op} {b}? The answer is {eval(f'{a}{op}{b}')}.")
         elif k == 1:
-            out.append(f"{rng.choice(words).capitalize()} has {a} {rng.choice(words)}s and gives away {b}: "
-                       f"{a} - {b} = {a - b}.\n#### {a - b}")
+            out.append(
+                f"{rng.choice(words).capitalize()} has {a} {rng.choice(words)}s and gives away {b}: "
+                f"{a} - {b} = {a - b}.\n#### {a - b}"
+            )
         elif k == 2:
             out.append(f"{rng.choice(roles)}\n" + " ".join(rng.choice(words) for _ in range(rng.randrange(2, 9))))
         else:
@@ -109,17 +157,30 @@ def _train_tokenizer(out_dir: Path, model_max_length: int) -> None:
 
     tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+    )
     tok.train_from_iterator(_corpus(), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=None,
-                                   additional_special_tokens=[BOS_START], model_max_length=model_max_length)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        bos_token=None,
+        additional_special_tokens=[BOS_START],
+        model_max_length=model_max_length,
+    )
     fast.save_pretrained(str(out_dir))
     # Keep the template inside tokenizer_config.json (read by every transformers/vLLM version), not a .jinja file.
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
@@ -156,8 +217,12 @@ def _is_built(out: Path, want: dict) -> bool:
         got = json.loads((out / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return ({k: got.get(k) for k in want} == want and (out / "config.json").is_file()
-            and (out / "tokenizer.json").is_file() and any(out.glob("*.safetensors")))
+    return (
+        {k: got.get(k) for k in want} == want
+        and (out / "config.json").is_file()
+        and (out / "tokenizer.json").is_file()
+        and any(out.glob("*.safetensors"))
+    )
 
 
 def build_model(layout: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "float32") -> Path:
@@ -174,8 +239,10 @@ def build_model(layout: str, out_dir: str | Path, *, seed: int = 0, dtype: str =
     if _is_built(out, want):
         return out
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
-        raise UserError(f"model: {out} exists and is not a built-in model directory (no {MARKER}); "
-                        "remove it or choose another output directory")
+        raise UserError(
+            f"model: {out} exists and is not a built-in model directory (no {MARKER}); "
+            "remove it or choose another output directory"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     old = None
@@ -197,8 +264,9 @@ def build_model(layout: str, out_dir: str | Path, *, seed: int = 0, dtype: str =
     return out
 
 
-def build_model_in_subprocess(layout: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "float32",
-                              python: str = sys.executable) -> Path:
+def build_model_in_subprocess(
+    layout: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "float32", python: str = sys.executable
+) -> Path:
     """build_model in a child Python process, so the caller never loads torch. The build runs on the GPU when
     there is one, and a process that did so keeps its CUDA context and torch's cached blocks (the whole model) on
     GPU 0 until it exits: the launcher waits for the whole run. Raises UserError with the child's own error lines
@@ -209,8 +277,9 @@ def build_model_in_subprocess(layout: str, out_dir: str | Path, *, seed: int = 0
     if done.returncode == 2 and errors:
         raise UserError(*errors)
     if done.returncode != 0:
-        raise RuntimeError(f"building the built-in model {layout} failed (exit {done.returncode}):\n"
-                           + done.stderr[-3000:])
+        raise RuntimeError(
+            f"building the built-in model {layout} failed (exit {done.returncode}):\n" + done.stderr[-3000:]
+        )
     return Path(done.stdout.strip().splitlines()[-1])
 
 

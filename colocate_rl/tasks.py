@@ -185,7 +185,7 @@ def load_prompts(
     if source.startswith("builtin:"):
         import datasets
 
-        task = source[len("builtin:"):]
+        task = source[len("builtin:") :]
         if task not in BUILTIN_TASKS:
             raise UserError(
                 f"data.source: unknown built-in task '{task}'{_did_you_mean(task, BUILTIN_TASKS)}. "

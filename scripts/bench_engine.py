@@ -29,28 +29,60 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12
 PLAIN = ["distributed.deepspeed=null", "distributed.zero_stage=null"]  # 1 GPU: no DeepSpeed, as in TRL's docs
 ROWS = {  # name: (GPUs, recipe, --set overrides)
-    "1gpu-0.5b-ours-sleep2": (1, "recipes/gpu-0.5b-layout.yaml", PLAIN + ["generation.engine=colocate-rl",
-                                                                        "generation.sleep_level=2"]),
-    "1gpu-0.5b-ours-sleep0": (1, "recipes/gpu-0.5b-layout.yaml", PLAIN + ["generation.engine=colocate-rl",
-                                                                        "generation.sleep_level=0"]),
-    "1gpu-0.5b-trl-sleep2": (1, "recipes/gpu-0.5b-layout.yaml", PLAIN + ["generation.engine=trl",
-                                                                       "generation.sleep_level=2"]),
-    "1gpu-0.5b-trl-sleep0": (1, "recipes/gpu-0.5b-layout.yaml", PLAIN + ["generation.engine=trl",
-                                                                       "generation.sleep_level=0"]),
-    "2gpu-1.5b-zero3-ours-sleep2": (2, "recipes/gpu-1.5b-layout-zero3.yaml", ["generation.engine=colocate-rl",
-                                                                             "generation.sleep_level=2"]),
-    "2gpu-1.5b-zero3-trl-sleep2": (2, "recipes/gpu-1.5b-layout-zero3.yaml", ["generation.engine=trl",
-                                                                            "generation.sleep_level=2"]),
-    "2gpu-1.5b-zero3-ours-sleep0": (2, "recipes/gpu-1.5b-layout-zero3.yaml", ["generation.engine=colocate-rl",
-                                                                             "generation.sleep_level=0"]),
+    "1gpu-0.5b-ours-sleep2": (
+        1,
+        "recipes/gpu-0.5b-layout.yaml",
+        PLAIN + ["generation.engine=colocate-rl", "generation.sleep_level=2"],
+    ),
+    "1gpu-0.5b-ours-sleep0": (
+        1,
+        "recipes/gpu-0.5b-layout.yaml",
+        PLAIN + ["generation.engine=colocate-rl", "generation.sleep_level=0"],
+    ),
+    "1gpu-0.5b-trl-sleep2": (
+        1,
+        "recipes/gpu-0.5b-layout.yaml",
+        PLAIN + ["generation.engine=trl", "generation.sleep_level=2"],
+    ),
+    "1gpu-0.5b-trl-sleep0": (
+        1,
+        "recipes/gpu-0.5b-layout.yaml",
+        PLAIN + ["generation.engine=trl", "generation.sleep_level=0"],
+    ),
+    "2gpu-1.5b-zero3-ours-sleep2": (
+        2,
+        "recipes/gpu-1.5b-layout-zero3.yaml",
+        ["generation.engine=colocate-rl", "generation.sleep_level=2"],
+    ),
+    "2gpu-1.5b-zero3-trl-sleep2": (
+        2,
+        "recipes/gpu-1.5b-layout-zero3.yaml",
+        ["generation.engine=trl", "generation.sleep_level=2"],
+    ),
+    "2gpu-1.5b-zero3-ours-sleep0": (
+        2,
+        "recipes/gpu-1.5b-layout-zero3.yaml",
+        ["generation.engine=colocate-rl", "generation.sleep_level=0"],
+    ),
 }
 ENGINE_LINE = re.compile(r"vLLM awake ([0-9.]+) GiB(?:, asleep \(level \d\) ([0-9.]+) GiB)?")
 
 
 def command(name: str, out: Path, steps: int) -> list[str]:
     _, recipe, sets = ROWS[name]
-    argv = [sys.executable, "-m", "colocate_rl", "train", recipe, "--run-dir", str(out / "runs" / name),
-            "--set", f"trainer.max_steps={steps}", "--set", "output.save_model=false"]
+    argv = [
+        sys.executable,
+        "-m",
+        "colocate_rl",
+        "train",
+        recipe,
+        "--run-dir",
+        str(out / "runs" / name),
+        "--set",
+        f"trainer.max_steps={steps}",
+        "--set",
+        "output.save_model=false",
+    ]
     for item in sets:
         argv += ["--set", item]
     return argv
@@ -70,9 +102,21 @@ def figures(name: str, run_dir: Path, code: int, wall: float, cmd: str) -> dict:
     if len(steps) >= 2:
         walls = [r["wall_s"] for r in steps]
         row["s_per_step"] = round(statistics.median(b - a for a, b in zip(walls, walls[1:])), 4)
-        for key in ("time/step_s", "time/generate_s", "time/weight_sync_s", "time/weight_check_s", "time/wake_s",
-                    "time/sleep_s", "time/offload_s", "time/reload_s", "time/train_s", "time/optimizer_s",
-                    "gen/tokens_per_s", "mem/gpu_used_gib", "mem/wake_end_gib"):
+        for key in (
+            "time/step_s",
+            "time/generate_s",
+            "time/weight_sync_s",
+            "time/weight_check_s",
+            "time/wake_s",
+            "time/sleep_s",
+            "time/offload_s",
+            "time/reload_s",
+            "time/train_s",
+            "time/optimizer_s",
+            "gen/tokens_per_s",
+            "mem/gpu_used_gib",
+            "mem/wake_end_gib",
+        ):
             row[key] = median_after_first(steps, key)
         row["sleep_wake_s"] = round((row["time/wake_s"] or 0) + (row["time/sleep_s"] or 0), 4)
         row["mem/gpu_peak_gib_max"] = max((r.get("mem/gpu_peak_gib") or 0) for r in steps)
@@ -88,11 +132,20 @@ def figures(name: str, run_dir: Path, code: int, wall: float, cmd: str) -> dict:
     return row
 
 
-TABLE_COLUMNS = [("row", "row"), ("s/step", "s_per_step"), ("generate s", "time/generate_s"),
-                 ("weight sync s", "time/weight_sync_s"), ("of which check s", "time/weight_check_s"),
-                 ("sleep+wake s", "sleep_wake_s"), ("GPU GiB at step end", "mem/gpu_used_gib"),
-                 ("GPU GiB peak", "mem/gpu_peak_gib_max"), ("vLLM awake GiB", "vllm_awake_gib"),
-                 ("vLLM asleep GiB", "vllm_asleep_gib"), ("gen tokens/s", "gen/tokens_per_s"), ("exit", "exit")]
+TABLE_COLUMNS = [
+    ("row", "row"),
+    ("s/step", "s_per_step"),
+    ("generate s", "time/generate_s"),
+    ("weight sync s", "time/weight_sync_s"),
+    ("of which check s", "time/weight_check_s"),
+    ("sleep+wake s", "sleep_wake_s"),
+    ("GPU GiB at step end", "mem/gpu_used_gib"),
+    ("GPU GiB peak", "mem/gpu_peak_gib_max"),
+    ("vLLM awake GiB", "vllm_awake_gib"),
+    ("vLLM asleep GiB", "vllm_asleep_gib"),
+    ("gen tokens/s", "gen/tokens_per_s"),
+    ("exit", "exit"),
+]
 
 
 def table(results: list[dict]) -> str:
@@ -111,8 +164,11 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--table", action="store_true", help="only rewrite table.md from results.jsonl")
     args = parser.parse_args()
-    names = [n for n in ROWS if args.rows == "all" or n.startswith(args.rows)] if args.rows in ("all", "1gpu", "2gpu") \
+    names = (
+        [n for n in ROWS if args.rows == "all" or n.startswith(args.rows)]
+        if args.rows in ("all", "1gpu", "2gpu")
         else args.rows.split(",")
+    )
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         print(f"error: unknown rows {unknown}; known: {', '.join(ROWS)}", file=sys.stderr)
@@ -128,7 +184,9 @@ def main() -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": args.device, "COLUMNS": "200"}
             start = time.time()
-            code = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+            code = subprocess.run(
+                argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            ).returncode
             row = figures(name, args.out / "runs" / name, code, time.time() - start, shown)
             with results_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")

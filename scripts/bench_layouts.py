@@ -92,10 +92,17 @@ trainer.train()
 
 
 def colocated_command(row: str, run_dir: Path, steps: int) -> tuple[list[str], dict[str, str]]:
-    sets = [f"trainer.max_steps={steps}", f"trainer.per_device_train_batch_size={MICRO}",
-            f"trainer.num_generations={GROUP}", f"trainer.max_completion_length={COMPLETION}",
-            f"generation.max_model_length={MAX_MODEL_LEN}", f"trainer.seed={SEED}", "distributed.nproc_per_node=2",
-            "output.save_model=false", *ROWS[row][0]]
+    sets = [
+        f"trainer.max_steps={steps}",
+        f"trainer.per_device_train_batch_size={MICRO}",
+        f"trainer.num_generations={GROUP}",
+        f"trainer.max_completion_length={COMPLETION}",
+        f"generation.max_model_length={MAX_MODEL_LEN}",
+        f"trainer.seed={SEED}",
+        "distributed.nproc_per_node=2",
+        "output.save_model=false",
+        *ROWS[row][0],
+    ]
     argv = [sys.executable, "-m", "colocate_rl", "train", str(RECIPE), "--run-dir", str(run_dir)]
     for s in sets:
         argv += ["--set", s]
@@ -105,11 +112,36 @@ def colocated_command(row: str, run_dir: Path, steps: int) -> tuple[list[str], d
 def server_commands(out: Path, run_dir: Path, model: Path, steps: int, port: int):
     """(vllm-serve argv, env), (trainer argv, env) for the server-mode row."""
     trl = Path(sys.executable).with_name("trl")  # the venv's console script, else TRL's module entry point
-    trl_cmd = [str(trl)] if trl.exists() else [sys.executable, "-c", "import sys; from trl.cli import main; sys.exit(main())"]
-    serve = [*trl_cmd, "vllm-serve", "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
-             "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.9"]
-    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-             str(out / "server_trainer.py"), str(model), str(run_dir), f"http://127.0.0.1:{port}", str(steps)]
+    trl_cmd = (
+        [str(trl)] if trl.exists() else [sys.executable, "-c", "import sys; from trl.cli import main; sys.exit(main())"]
+    )
+    serve = [
+        *trl_cmd,
+        "vllm-serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--gpu-memory-utilization",
+        "0.9",
+    ]
+    train = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        str(out / "server_trainer.py"),
+        str(model),
+        str(run_dir),
+        f"http://127.0.0.1:{port}",
+        str(steps),
+    ]
     return (serve, {"CUDA_VISIBLE_DEVICES": "1"}), (train, {"CUDA_VISIBLE_DEVICES": "0", "HF_HUB_OFFLINE": "1"})
 
 
@@ -120,8 +152,9 @@ def shown(argv: list[str], env: dict[str, str]) -> str:
 def run(argv: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
     """Run to the end or the timeout (then the whole process group is stopped); 124 on timeout."""
     with log.open("w") as f:
-        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+        )
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -167,10 +200,16 @@ def step_stats(run_dir: Path) -> dict:
     steps = sorted(by_step)
     diffs = [by_step[b]["wall_s"] - by_step[a]["wall_s"] for a, b in zip(steps, steps[1:]) if b == a + 1]
     later = [by_step[s] for s in steps[1:]]
-    times = {k: round(statistics.median(r[k] for r in later if k in r), 3)
-             for k in sorted({k for r in later for k in r if k.startswith("time/")})}
-    return {"steps_logged": len(steps), "median_s_per_step": round(statistics.median(diffs), 3) if diffs else None,
-            "times": times, "reward_last": later[-1].get("reward") if later else None}
+    times = {
+        k: round(statistics.median(r[k] for r in later if k in r), 3)
+        for k in sorted({k for r in later for k in r if k.startswith("time/")})
+    }
+    return {
+        "steps_logged": len(steps),
+        "median_s_per_step": round(statistics.median(diffs), 3) if diffs else None,
+        "times": times,
+        "reward_last": later[-1].get("reward") if later else None,
+    }
 
 
 def layout_of(run_dir: Path) -> str:
@@ -183,8 +222,10 @@ def layout_of(run_dir: Path) -> str:
     if ds.exists():
         zero = json.loads(ds.read_text()).get("zero_optimization", {})
         name = f"ZeRO-{zero.get('stage', 0)}" + "".join(
-            f" + offload {k}" for k, key in (("optimizer", "offload_optimizer"), ("params", "offload_param"))
-            if (zero.get(key) or {}).get("device", "none") != "none")
+            f" + offload {k}"
+            for k, key in (("optimizer", "offload_optimizer"), ("params", "offload_param"))
+            if (zero.get(key) or {}).get("device", "none") != "none"
+        )
     else:
         name = "DDP"
     return name + (", checkpointing" if args.get("gradient_checkpointing") else "")
@@ -220,17 +261,27 @@ def bench_row(row: str, out: Path, steps: int, timeout: float, port: int, dry_ru
         result["command"] = shown(serve, serve_env) + "  &&  " + shown(train, train_env)
         result["layout"] = "server: vLLM on GPU 1, trainer (1 rank, no DeepSpeed) on GPU 0"
         if dry_run:
-            print(f"# {row} (vLLM server, wait for http://127.0.0.1:{port}/health, then the trainer)\n"
-                  f"{shown(serve, serve_env)} &\n{shown(train, train_env)}")
+            print(
+                f"# {row} (vLLM server, wait for http://127.0.0.1:{port}/health, then the trainer)\n"
+                f"{shown(serve, serve_env)} &\n{shown(train, train_env)}"
+            )
             return result
-        (out / "server_trainer.py").write_text(SERVER_TRAINER % dict(micro=MICRO, accum=ROWS[row][1] // MICRO,
-                                                                     group=GROUP, completion=COMPLETION, seed=SEED))
+        (out / "server_trainer.py").write_text(
+            SERVER_TRAINER
+            % dict(micro=MICRO, accum=ROWS[row][1] // MICRO, group=GROUP, completion=COMPLETION, seed=SEED)
+        )
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         start = time.time()
         with (out / f"{row}-vllm.log").open("w") as f:
-            server = subprocess.Popen(serve, env={**os.environ, **serve_env}, stdout=f, stderr=subprocess.STDOUT,
-                                      cwd=ROOT, start_new_session=True)
+            server = subprocess.Popen(
+                serve,
+                env={**os.environ, **serve_env},
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                start_new_session=True,
+            )
         try:
             if wait_healthy(f"http://127.0.0.1:{port}/health", server, min(600, timeout)):
                 left = max(60, timeout - (time.time() - start))
@@ -254,11 +305,27 @@ def markdown(results: list[dict]) -> str:
         s = r.get("median_s_per_step")
         big = r["completions_per_step"] == 256
         ref3, refs = base.get("zero3-256" if big else "zero3"), base.get("server-256" if big else "server")
-        ratio = lambda ref: f"{ref / s:.2f}" if s and ref else ""  # noqa: E731
+
+        def ratio(ref, s=s):
+            return f"{ref / s:.2f}" if s and ref else ""
+
         status = "ok" if r.get("ok") else f"failed (rc {r.get('rc')}{', ' + r['error'] if r.get('error') else ''})"
-        lines.append("| " + " | ".join([r["row"], str(r["completions_per_step"]), r.get("layout", ""),
-                                        f"{s:.3f}" if s else "", ratio(ref3), ratio(refs),
-                                        *(str(r.get("times", {}).get(p, "")) for p in phases), status]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["row"],
+                    str(r["completions_per_step"]),
+                    r.get("layout", ""),
+                    f"{s:.3f}" if s else "",
+                    ratio(ref3),
+                    ratio(refs),
+                    *(str(r.get("times", {}).get(p, "")) for p in phases),
+                    status,
+                ]
+            )
+            + " |"
+        )
     lines.append("")
     for suffix, n in (("", 32), ("-256", 256)):
         auto, z3, srv = (base.get(name + suffix) for name in ("auto", "zero3", "server"))
@@ -296,8 +363,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             continue
         results.append(result)
-        print(f"[bench] {row}: {'ok' if result.get('ok') else 'FAILED'} median s/step "
-              f"{result.get('median_s_per_step')} ({result.get('layout', '')})", flush=True)
+        print(
+            f"[bench] {row}: {'ok' if result.get('ok') else 'FAILED'} median s/step "
+            f"{result.get('median_s_per_step')} ({result.get('layout', '')})",
+            flush=True,
+        )
         with (out / "results.jsonl").open("a") as f:
             f.write(json.dumps(result) + "\n")
     if not args.dry_run:

@@ -37,16 +37,32 @@ CASES = {  # name → recipe, visible GPUs, overrides
 
 
 def probe_command(recipe: str, sets: list[str], probe_dir: Path, args) -> list[str]:
-    argv = [sys.executable, "-m", "colocate_rl", "mem-probe", recipe, "--json", "--probe-dir", str(probe_dir),
-            "--steps", str(args.steps), "--resolution", f"{args.resolution:g}", "--margin", f"{args.margin:g}",
-            "--trial-timeout", f"{args.trial_timeout:g}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "colocate_rl",
+        "mem-probe",
+        recipe,
+        "--json",
+        "--probe-dir",
+        str(probe_dir),
+        "--steps",
+        str(args.steps),
+        "--resolution",
+        f"{args.resolution:g}",
+        "--margin",
+        f"{args.margin:g}",
+        "--trial-timeout",
+        f"{args.trial_timeout:g}",
+    ]
     for item in sets:
         argv += ["--set", item]
     return argv
 
 
-def verify(recipe: str, sets: list[str], gpus: str, start: float, out_dir: Path, args,
-           probe_trials: list[dict] = ()) -> dict:
+def verify(
+    recipe: str, sets: list[str], gpus: str, start: float, out_dir: Path, args, probe_trials: list[dict] = ()
+) -> dict:
     """Bisection with long trials around the probe's result: the largest share that runs verify_steps steps.
     Every finished trial is appended to `out_dir/trials.jsonl` and reused when the script runs again (a device
     session can end mid-bisection). A share the probe saw fail as too high (start-up refused, out of memory) within
@@ -56,8 +72,12 @@ def verify(recipe: str, sets: list[str], gpus: str, start: float, out_dir: Path,
     done = {}
     for t in probe_trials:
         if t["outcome"] in P.TOO_HIGH:
-            done[round(t["util"], 6)] = P.TrialResult(t["util"], t["outcome"], steps=t.get("steps", 0),
-                                                      detail=f"probe trial ({args.steps} steps): {t.get('detail', '')}")
+            done[round(t["util"], 6)] = P.TrialResult(
+                t["util"],
+                t["outcome"],
+                steps=t.get("steps", 0),
+                detail=f"probe trial ({args.steps} steps): {t.get('detail', '')}",
+            )
     if log.exists():
         for line in log.read_text().splitlines():
             row = json.loads(line)
@@ -69,8 +89,11 @@ def verify(recipe: str, sets: list[str], gpus: str, start: float, out_dir: Path,
         nonlocal count
         if round(util, 6) in done:
             result = done[round(util, 6)]
-            print(f"  verify: share {util:g} → {result.outcome} (earlier: {result.detail or result.run_dir})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  verify: share {util:g} → {result.outcome} (earlier: {result.detail or result.run_dir})",
+                file=sys.stderr,
+                flush=True,
+            )
             return result
         failed_below = [u for u, r in done.items() if r.outcome in P.TOO_HIGH and u < util]
         if failed_below:  # a larger share leaves the trainer less memory still: not worth a trial
@@ -79,10 +102,21 @@ def verify(recipe: str, sets: list[str], gpus: str, start: float, out_dir: Path,
             return P.TrialResult(util, done[u].outcome, detail=f"implied: {u:g} failed ({done[u].outcome})")
         count += 1
         print(f"  verify trial {count}: share {util:g} ({args.verify_steps} steps) ...", file=sys.stderr, flush=True)
-        result = P.run_trial(recipe, util, out_dir / P.trial_name(count, util), args.verify_steps, sets,
-                             args.trial_timeout, cwd=ROOT, env={"CUDA_VISIBLE_DEVICES": gpus})
-        print(f"  → {result.outcome} ({result.seconds:.0f} s, {result.steps} steps) {result.detail}", file=sys.stderr,
-              flush=True)
+        result = P.run_trial(
+            recipe,
+            util,
+            out_dir / P.trial_name(count, util),
+            args.verify_steps,
+            sets,
+            args.trial_timeout,
+            cwd=ROOT,
+            env={"CUDA_VISIBLE_DEVICES": gpus},
+        )
+        print(
+            f"  → {result.outcome} ({result.seconds:.0f} s, {result.steps} steps) {result.detail}",
+            file=sys.stderr,
+            flush=True,
+        )
         with log.open("a") as f:
             f.write(json.dumps(result.record()) + "\n")
         return result
@@ -91,34 +125,49 @@ def verify(recipe: str, sets: list[str], gpus: str, start: float, out_dir: Path,
         result = P.bisect(trial, lower, upper, args.resolution, start=start, margin=0.0)
     except P.ProbeAborted as e:
         return {"error": f"{e.trial.outcome}: {e.trial.detail}", "trials": len(e.trials)}
-    bound = ("≥" if result.largest is not None and result.largest >= result.upper else
-             "≤" if result.largest is None else "")
-    return {"true_largest": result.largest, "bound": bound, "window": [result.lower, result.upper],
-            "trials": [{"util": t.util, "outcome": t.outcome, "seconds": t.seconds, "steps": t.steps,
-                        "detail": t.detail}
-                       for t in result.trials], "notes": result.notes}
+    bound = (
+        "≥" if result.largest is not None and result.largest >= result.upper else "≤" if result.largest is None else ""
+    )
+    return {
+        "true_largest": result.largest,
+        "bound": bound,
+        "window": [result.lower, result.upper],
+        "trials": [
+            {"util": t.util, "outcome": t.outcome, "seconds": t.seconds, "steps": t.steps, "detail": t.detail}
+            for t in result.trials
+        ],
+        "notes": result.notes,
+    }
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| case | phase | estimate (GiB) | measured (GiB) | estimate error |", "|---|---|---:|---:|---:|"]
     for row in rows:
         for ph in row.get("phases", []):
-            fmt = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
+
+            def fmt(v):
+                return "" if v is None else f"{v:.2f}"
+
             err = "" if ph["error_pct"] is None else f"{ph['error_pct']:+.1f} %"
-            lines.append(f"| {row['case']} | {ph['phase']} | {fmt(ph['estimate_gib'])} | {fmt(ph['measured_gib'])} "
-                         f"| {err} |")
-    lines += ["", "| case | estimate's share | probe: largest passing | probe: recommended | true largest "
-              f"({rows[0]['verify_steps'] if rows else 20} steps) | recommended − true | probe trials / minutes |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+            lines.append(
+                f"| {row['case']} | {ph['phase']} | {fmt(ph['estimate_gib'])} | {fmt(ph['measured_gib'])} | {err} |"
+            )
+    lines += [
+        "",
+        "| case | estimate's share | probe: largest passing | probe: recommended | true largest "
+        f"({rows[0]['verify_steps'] if rows else 20} steps) | recommended − true | probe trials / minutes |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         v = row.get("verify", {})
         true = v.get("true_largest")
-        diff = (f"{row['recommended'] - true:+.3f}" if row.get("recommended") is not None and true is not None
-                else "")
-        lines.append(f"| {row['case']} | {row.get('estimate_chosen', '')} | {row.get('largest_passing', '')} | "
-                     f"{row.get('recommended', '')} | {v.get('bound', '')}{'' if true is None else true} "
-                     f"{v.get('error', '')} | {diff} | {row.get('probe_trials', '')} / "
-                     f"{row.get('probe_s', 0) / 60:.1f} |")
+        diff = f"{row['recommended'] - true:+.3f}" if row.get("recommended") is not None and true is not None else ""
+        lines.append(
+            f"| {row['case']} | {row.get('estimate_chosen', '')} | {row.get('largest_passing', '')} | "
+            f"{row.get('recommended', '')} | {v.get('bound', '')}{'' if true is None else true} "
+            f"{v.get('error', '')} | {diff} | {row.get('probe_trials', '')} / "
+            f"{row.get('probe_s', 0) / 60:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -126,8 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for results.jsonl, benchmarks.md, trials")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="override for every trial, e.g. generation.enforce_eager=true")
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override for every trial, e.g. generation.enforce_eager=true",
+    )
     parser.add_argument("--gpus", help="CUDA_VISIBLE_DEVICES for every case (default: the case's own, e.g. 0)")
     parser.add_argument("--steps", type=int, default=3, help="steps per probe trial")
     parser.add_argument("--verify-steps", type=int, default=20, help="steps per verification trial")
@@ -151,12 +206,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {name}: probe ({args.steps}-step trials)")
             print(f"CUDA_VISIBLE_DEVICES={gpus} {shlex.join(probe)}")
             if not args.skip_verify:
-                trial = P.trial_command(recipe, 0.0, args.out / name / "verify" / "trial-K-utilU", args.verify_steps,
-                                        sets)
+                trial = P.trial_command(
+                    recipe, 0.0, args.out / name / "verify" / "trial-K-utilU", args.verify_steps, sets
+                )
                 util_set = "generation.vllm_gpu_memory_utilization="
                 shown = shlex.join([f"{util_set}U" if a.startswith(util_set) else a for a in trial])
-                print(f"# {name}: verification, bisection over U in the probe's largest passing share ± {args.band:g} "
-                      "(plus the probe's pinned layout, `pinned_sets` in its JSON)")
+                print(
+                    f"# {name}: verification, bisection over U in the probe's largest passing share ± {args.band:g} "
+                    "(plus the probe's pinned layout, `pinned_sets` in its JSON)"
+                )
                 print(f"CUDA_VISIBLE_DEVICES={gpus} {shown}")
         return 0
 
@@ -165,8 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in cases:
         recipe, gpus, sets = CASES[name]
         gpus, sets = args.gpus or gpus, [*sets, *args.sets]
-        row: dict = {"case": name, "recipe": recipe, "gpus": gpus, "sets": sets, "steps": args.steps,
-                     "verify_steps": args.verify_steps}
+        row: dict = {
+            "case": name,
+            "recipe": recipe,
+            "gpus": gpus,
+            "sets": sets,
+            "steps": args.steps,
+            "verify_steps": args.verify_steps,
+        }
         saved = args.out / name / "probe.json"  # a finished probe is reused: the verification can run later
         if saved.exists():
             probe, returncode = json.loads(saved.read_text()), 0
@@ -175,9 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"== {name}: probe", file=sys.stderr, flush=True)
             begin = time.monotonic()
-            done = subprocess.run(probe_command(recipe, sets, args.out / name / "probe", args), cwd=ROOT,
-                                  stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "COLUMNS": "200"})
+            done = subprocess.run(
+                probe_command(recipe, sets, args.out / name / "probe", args),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "COLUMNS": "200"},
+            )
             row["probe_s"], returncode = round(time.monotonic() - begin, 1), done.returncode
             try:
                 probe = json.loads(done.stdout.strip().splitlines()[-1])
@@ -188,14 +256,27 @@ def main(argv: list[str] | None = None) -> int:
         if returncode != 0 or probe is None:
             row["error"] = f"mem-probe exited {returncode}"
         else:
-            row.update(estimate_chosen=probe["estimate"]["chosen"], largest_passing=probe["largest_passing"],
-                       recommended=probe["recommended"], phases=probe.get("phases", []),
-                       probe_trials=len(probe["trials"]), layout_check=probe.get("layout_check"), probe=probe)
+            row.update(
+                estimate_chosen=probe["estimate"]["chosen"],
+                largest_passing=probe["largest_passing"],
+                recommended=probe["recommended"],
+                phases=probe.get("phases", []),
+                probe_trials=len(probe["trials"]),
+                layout_check=probe.get("layout_check"),
+                probe=probe,
+            )
             if not args.skip_verify and probe["largest_passing"] is not None:
                 print(f"== {name}: verification ({args.verify_steps} steps)", file=sys.stderr, flush=True)
                 begin = time.monotonic()
-                row["verify"] = verify(recipe, [*sets, *probe.get("pinned_sets", [])], gpus, probe["largest_passing"],
-                                       args.out / name / "verify", args, probe["trials"])  # the probe's layout
+                row["verify"] = verify(
+                    recipe,
+                    [*sets, *probe.get("pinned_sets", [])],
+                    gpus,
+                    probe["largest_passing"],
+                    args.out / name / "verify",
+                    args,
+                    probe["trials"],
+                )  # the probe's layout
                 row["verify_s"] = round(time.monotonic() - begin, 1)
         rows.append(row)
         with (args.out / "results.jsonl").open("a") as f:

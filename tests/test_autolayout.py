@@ -13,8 +13,8 @@ import pytest
 from colocate_rl.memory import autolayout as A
 from colocate_rl.plan.host import assumed_host
 from colocate_rl.plan.launch_plan import make_plan
-from colocate_rl.recipe.schema import load_recipe
 from colocate_rl.plan.resolve import resolve
+from colocate_rl.recipe.schema import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -27,32 +27,46 @@ def resolved(recipe: str, gpus: int, gib: float, *sets: str):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "colocate_rl", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "colocate_rl", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""},
+        timeout=120,
+    )
 
 
 # recipe, GPUs per node, GiB per GPU, extra --set → chosen layout label (stage, offload, checkpointing)
-@pytest.mark.parametrize("recipe, gpus, gib, sets, chosen", [
-    # the reference run of issue 8: 1.5B layout, 2 H200s, 32 completions per step → ZeRO-2, no checkpointing
-    ("gpu-1.5b-layout-zero3", 2, H200, ["distributed.deepspeed=null", "trainer.per_device_train_batch_size=16"],
-     "ZeRO-2"),
-    ("gpu-0.5b-layout", 1, 80.0, [], "ZeRO-2"),
-    # hand-checked below: the same 1.5B layout on 2 GPUs of 32 GiB needs checkpointing, and ZeRO-2 then fits; on
-    # 24 GiB ZeRO-2 with checkpointing is 22.89 GiB > 21.6 in generation and ZeRO-3 with checkpointing (21.45) fits
-    ("gpu-1.5b-layout-zero3", 2, 32.0, ["distributed.deepspeed=null"], "ZeRO-2, checkpointing"),
-    ("gpu-1.5b-layout-zero3", 2, 24.0, ["distributed.deepspeed=null"], "ZeRO-3, checkpointing"),
-    # 7B layout, 1024-token completions, 1 GPU: 14 GiB weights + 14 grads + 85 fp32 master/Adam never fit with
-    # vLLM's share beside them, so ZeRO-2/3 without offload are out; the H200 fits optimizer offload without
-    # checkpointing, 80 GiB needs checkpointing too
-    ("gpu-7b-layout-1gpu", 1, H200, [], "ZeRO-3 + offload optimizer"),
-    ("gpu-7b-layout-1gpu", 1, 80.0, [], "ZeRO-3 + offload optimizer, checkpointing"),
-    # more ranks shard the optimizer states: 8 × 80 GiB takes ZeRO-2 again, with checkpointing
-    ("gpu-7b-layout-1gpu", 8, 80.0, ["distributed.nproc_per_node=8"], "ZeRO-2, checkpointing"),
-    ("qwen2.5-7b-grpo", 8, H200, [], "ZeRO-2"),
-    ("gpu-0.5b-layout", 1, 12.0, [], "ZeRO-3 + offload optimizer, checkpointing"),
-    # nothing fits: the last (most frugal) candidate, mem-probe explains the rest
-    ("gpu-0.5b-layout", 1, 4.0, [], "ZeRO-3 + offload optimizer and params, checkpointing"),
-])
+@pytest.mark.parametrize(
+    "recipe, gpus, gib, sets, chosen",
+    [
+        # the reference run of issue 8: 1.5B layout, 2 H200s, 32 completions per step → ZeRO-2, no checkpointing
+        (
+            "gpu-1.5b-layout-zero3",
+            2,
+            H200,
+            ["distributed.deepspeed=null", "trainer.per_device_train_batch_size=16"],
+            "ZeRO-2",
+        ),
+        ("gpu-0.5b-layout", 1, 80.0, [], "ZeRO-2"),
+        # hand-checked below: the same 1.5B layout on 2 GPUs of 32 GiB needs checkpointing, and ZeRO-2 then fits; on
+        # 24 GiB ZeRO-2 with checkpointing is 22.89 GiB > 21.6 in generation and ZeRO-3 with checkpointing (21.45) fits
+        ("gpu-1.5b-layout-zero3", 2, 32.0, ["distributed.deepspeed=null"], "ZeRO-2, checkpointing"),
+        ("gpu-1.5b-layout-zero3", 2, 24.0, ["distributed.deepspeed=null"], "ZeRO-3, checkpointing"),
+        # 7B layout, 1024-token completions, 1 GPU: 14 GiB weights + 14 grads + 85 fp32 master/Adam never fit with
+        # vLLM's share beside them, so ZeRO-2/3 without offload are out; the H200 fits optimizer offload without
+        # checkpointing, 80 GiB needs checkpointing too
+        ("gpu-7b-layout-1gpu", 1, H200, [], "ZeRO-3 + offload optimizer"),
+        ("gpu-7b-layout-1gpu", 1, 80.0, [], "ZeRO-3 + offload optimizer, checkpointing"),
+        # more ranks shard the optimizer states: 8 × 80 GiB takes ZeRO-2 again, with checkpointing
+        ("gpu-7b-layout-1gpu", 8, 80.0, ["distributed.nproc_per_node=8"], "ZeRO-2, checkpointing"),
+        ("qwen2.5-7b-grpo", 8, H200, [], "ZeRO-2"),
+        ("gpu-0.5b-layout", 1, 12.0, [], "ZeRO-3 + offload optimizer, checkpointing"),
+        # nothing fits: the last (most frugal) candidate, mem-probe explains the rest
+        ("gpu-0.5b-layout", 1, 4.0, [], "ZeRO-3 + offload optimizer and params, checkpointing"),
+    ],
+)
 def test_choice_by_layout_and_gpu_memory(recipe, gpus, gib, sets, chosen):
     r = resolved(recipe, gpus, gib, *AUTO, *sets)
     c = r.layout_choice
@@ -95,40 +109,81 @@ def test_hand_checked_case():
 def test_candidate_order_is_by_speed_and_checkpointing_is_tried_within_a_stage():
     c = resolved("gpu-0.5b-layout", 1, 80.0, *AUTO).layout_choice
     assert [t.candidate.label for t in c.tried] == [
-        "ZeRO-2", "ZeRO-2, checkpointing", "ZeRO-3", "ZeRO-3, checkpointing", "ZeRO-3 + offload optimizer",
-        "ZeRO-3 + offload optimizer, checkpointing", "ZeRO-3 + offload optimizer and params",
-        "ZeRO-3 + offload optimizer and params, checkpointing"]
-    only_stage = resolved("gpu-0.5b-layout", 1, 80.0, "distributed.zero_stage=auto",
-                          "trainer.gradient_checkpointing=false").layout_choice
+        "ZeRO-2",
+        "ZeRO-2, checkpointing",
+        "ZeRO-3",
+        "ZeRO-3, checkpointing",
+        "ZeRO-3 + offload optimizer",
+        "ZeRO-3 + offload optimizer, checkpointing",
+        "ZeRO-3 + offload optimizer and params",
+        "ZeRO-3 + offload optimizer and params, checkpointing",
+    ]
+    only_stage = resolved(
+        "gpu-0.5b-layout", 1, 80.0, "distributed.zero_stage=auto", "trainer.gradient_checkpointing=false"
+    ).layout_choice
     assert [t.candidate.label for t in only_stage.tried] == [
-        "ZeRO-2", "ZeRO-3", "ZeRO-3 + offload optimizer", "ZeRO-3 + offload optimizer and params"]
+        "ZeRO-2",
+        "ZeRO-3",
+        "ZeRO-3 + offload optimizer",
+        "ZeRO-3 + offload optimizer and params",
+    ]
     assert only_stage.auto_keys == ("distributed.zero_stage",)
 
 
-@pytest.mark.parametrize("sets, labels, chosen", [
-    # explicit stage: only checkpointing is chosen
-    (["distributed.deepspeed=zero3", "distributed.zero_stage=3", "trainer.gradient_checkpointing=auto"],
-     ["ZeRO-3", "ZeRO-3, checkpointing"], "ZeRO-3, checkpointing"),
-    # explicit DDP with checkpointing auto
-    (["distributed.zero_stage=null", "trainer.gradient_checkpointing=auto"], ["DDP", "DDP, checkpointing"],
-     "DDP, checkpointing"),
-    # explicit checkpointing on: every candidate has it
-    (["distributed.zero_stage=auto", "trainer.gradient_checkpointing=true"],
-     ["ZeRO-2, checkpointing", "ZeRO-3, checkpointing", "ZeRO-3 + offload optimizer, checkpointing",
-      "ZeRO-3 + offload optimizer and params, checkpointing"], "ZeRO-3 + offload optimizer, checkpointing"),
-    # explicit optimizer offload: applied to every candidate (duplicates drop out)
-    (["distributed.zero_stage=auto", "trainer.gradient_checkpointing=false", "distributed.offload_optimizer=true"],
-     ["ZeRO-2 + offload optimizer", "ZeRO-3 + offload optimizer", "ZeRO-3 + offload optimizer and params"],
-     "ZeRO-3 + offload optimizer and params"),
-    # explicit parameter offload: ZeRO-2 cannot, so it is not a candidate
-    (["distributed.zero_stage=auto", "trainer.gradient_checkpointing=false", "distributed.offload_params=true"],
-     ["ZeRO-3 + offload params", "ZeRO-3 + offload optimizer and params"], "ZeRO-3 + offload optimizer and params"),
-    # a named config with optimizer offload keeps it (explicit)
-    (["distributed.zero_stage=auto", "trainer.gradient_checkpointing=false",
-      "distributed.deepspeed=zero3_offload_optimizer"],
-     ["ZeRO-2 + offload optimizer", "ZeRO-3 + offload optimizer", "ZeRO-3 + offload optimizer and params"],
-     "ZeRO-3 + offload optimizer and params"),
-])
+@pytest.mark.parametrize(
+    "sets, labels, chosen",
+    [
+        # explicit stage: only checkpointing is chosen
+        (
+            ["distributed.deepspeed=zero3", "distributed.zero_stage=3", "trainer.gradient_checkpointing=auto"],
+            ["ZeRO-3", "ZeRO-3, checkpointing"],
+            "ZeRO-3, checkpointing",
+        ),
+        # explicit DDP with checkpointing auto
+        (
+            ["distributed.zero_stage=null", "trainer.gradient_checkpointing=auto"],
+            ["DDP", "DDP, checkpointing"],
+            "DDP, checkpointing",
+        ),
+        # explicit checkpointing on: every candidate has it
+        (
+            ["distributed.zero_stage=auto", "trainer.gradient_checkpointing=true"],
+            [
+                "ZeRO-2, checkpointing",
+                "ZeRO-3, checkpointing",
+                "ZeRO-3 + offload optimizer, checkpointing",
+                "ZeRO-3 + offload optimizer and params, checkpointing",
+            ],
+            "ZeRO-3 + offload optimizer, checkpointing",
+        ),
+        # explicit optimizer offload: applied to every candidate (duplicates drop out)
+        (
+            [
+                "distributed.zero_stage=auto",
+                "trainer.gradient_checkpointing=false",
+                "distributed.offload_optimizer=true",
+            ],
+            ["ZeRO-2 + offload optimizer", "ZeRO-3 + offload optimizer", "ZeRO-3 + offload optimizer and params"],
+            "ZeRO-3 + offload optimizer and params",
+        ),
+        # explicit parameter offload: ZeRO-2 cannot, so it is not a candidate
+        (
+            ["distributed.zero_stage=auto", "trainer.gradient_checkpointing=false", "distributed.offload_params=true"],
+            ["ZeRO-3 + offload params", "ZeRO-3 + offload optimizer and params"],
+            "ZeRO-3 + offload optimizer and params",
+        ),
+        # a named config with optimizer offload keeps it (explicit)
+        (
+            [
+                "distributed.zero_stage=auto",
+                "trainer.gradient_checkpointing=false",
+                "distributed.deepspeed=zero3_offload_optimizer",
+            ],
+            ["ZeRO-2 + offload optimizer", "ZeRO-3 + offload optimizer", "ZeRO-3 + offload optimizer and params"],
+            "ZeRO-3 + offload optimizer and params",
+        ),
+    ],
+)
 def test_explicit_settings_win(sets, labels, chosen):
     # 0.5B layout on a 12 GiB GPU: tight enough that the choice moves down the list
     c = resolved("gpu-0.5b-layout", 1, 12.0, *sets).layout_choice
@@ -176,8 +231,10 @@ def test_train_dry_run_and_validate_say_what_auto_chose():
     result = cli("train", "gpu-7b-layout-1gpu", "--dry-run", "--gpus", "1", "--gpu-memory", str(H200))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert "# distributed.zero_stage and trainer.gradient_checkpointing auto: estimated peak per GPU vs 126.4 GiB " \
-           "(140.4 GiB less 10% margin), fastest first" in lines
+    assert (
+        "# distributed.zero_stage and trainer.gradient_checkpointing auto: estimated peak per GPU vs 126.4 GiB "
+        "(140.4 GiB less 10% margin), fastest first" in lines
+    )
     assert any(x.startswith("#   ZeRO-2 ") and x.endswith("too big") for x in lines)
     assert any(x.startswith("#   ZeRO-3 + offload optimizer ") and x.endswith("fits  ← chosen") for x in lines)
     assert "# chosen: ZeRO-3 + offload optimizer — the first that fits (98.48 ≤ 126.4 GiB)" in lines
@@ -192,24 +249,33 @@ def test_mem_probe_shows_and_returns_the_choice():
     shown = cli("mem-probe", "gpu-7b-layout-1gpu", "--estimate", "--gpus", "1", "--gpu-memory", str(H200))
     assert shown.returncode == 0, shown.stderr
     assert "chosen: ZeRO-3 + offload optimizer — the first that fits" in shown.stdout
-    data = json.loads(cli("mem-probe", "gpu-7b-layout-1gpu", "--estimate", "--gpus", "1", "--gpu-memory",
-                          str(H200), "--json").stdout)
+    data = json.loads(
+        cli("mem-probe", "gpu-7b-layout-1gpu", "--estimate", "--gpus", "1", "--gpu-memory", str(H200), "--json").stdout
+    )
     choice = data["layout_choice"]
-    assert choice["chosen"] == {"label": "ZeRO-3 + offload optimizer", "zero_stage": 3, "offload_optimizer": True,
-                                "offload_params": False, "gradient_checkpointing": False}
+    assert choice["chosen"] == {
+        "label": "ZeRO-3 + offload optimizer",
+        "zero_stage": 3,
+        "offload_optimizer": True,
+        "offload_params": False,
+        "gradient_checkpointing": False,
+    }
     assert choice["margin"] == A.MARGIN and choice["limit_gib"] == pytest.approx(H200 * 0.9, abs=1e-3)
     assert [x["fits"] for x in choice["candidates"]][:5] == [False, False, False, False, True]
     # the estimate table is of the chosen layout: optimizer states and the step live on the CPU
     assert not [t for t in data["terms"] if t.startswith(("optimizer states", "optimizer step"))]
 
 
-@pytest.mark.parametrize("ram, chosen", [
-    # H200 host of the 2-GPU machine (251 GiB): optimizer offload's 113.5 GiB fits in 90 % of it
-    (251.0, "ZeRO-3 + offload optimizer"),
-    # a 125 GiB host: 113.5 > 112.5 GiB, and parameter offload needs more still; nothing fits, the last is taken
-    (125.0, "ZeRO-3 + offload optimizer and params, checkpointing"),
-    (None, "ZeRO-3 + offload optimizer"),  # RAM unknown (--gpus planning): not checked
-])
+@pytest.mark.parametrize(
+    "ram, chosen",
+    [
+        # H200 host of the 2-GPU machine (251 GiB): optimizer offload's 113.5 GiB fits in 90 % of it
+        (251.0, "ZeRO-3 + offload optimizer"),
+        # a 125 GiB host: 113.5 > 112.5 GiB, and parameter offload needs more still; nothing fits, the last is taken
+        (125.0, "ZeRO-3 + offload optimizer and params, checkpointing"),
+        (None, "ZeRO-3 + offload optimizer"),  # RAM unknown (--gpus planning): not checked
+    ],
+)
 def test_offload_must_fit_in_host_memory(ram, chosen):
     from dataclasses import replace
 
@@ -233,8 +299,14 @@ def test_confirm_choice_for_the_measured_mode():
 
 
 def test_shipped_gpu_recipes_use_auto_where_it_is_safe():
-    for name in ("gpu-0.5b-layout", "gpu-7b-layout-1gpu", "qwen2.5-1.5b-grpo-gsm8k", "qwen2.5-1.5b-rloo-gsm8k",
-                 "qwen2.5-7b-grpo", "qwen2.5-72b-grpo-colocate"):
+    for name in (
+        "gpu-0.5b-layout",
+        "gpu-7b-layout-1gpu",
+        "qwen2.5-1.5b-grpo-gsm8k",
+        "qwen2.5-1.5b-rloo-gsm8k",
+        "qwen2.5-7b-grpo",
+        "qwen2.5-72b-grpo-colocate",
+    ):
         assert load_recipe(ROOT / "recipes" / f"{name}.yaml").distributed.zero_stage == "auto", name
     # the forced references stay forced
     assert load_recipe(ROOT / "recipes" / "gpu-1.5b-layout-zero3.yaml").distributed.zero_stage is None
@@ -243,15 +315,22 @@ def test_shipped_gpu_recipes_use_auto_where_it_is_safe():
 
 def test_bench_script_dry_run_prints_every_row(tmp_path):
     out = tmp_path / "bench"
-    result = subprocess.run([sys.executable, "scripts/bench_layouts.py", "--out", str(out), "--dry-run", "--steps",
-                             "12"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_layouts.py", "--out", str(out), "--dry-run", "--steps", "12"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert not out.exists(), "a dry run writes nothing"
     text = result.stdout
     for row in ("auto", "zero3", "zero2", "ddp", "server", "auto-256", "zero3-256", "server-256"):
         assert f"# {row}\n" in text or f"# {row} (" in text
-    common = ("--set trainer.max_steps=12 --set trainer.per_device_train_batch_size=16 --set trainer.num_generations=8 "
-              "--set trainer.max_completion_length=256")
+    common = (
+        "--set trainer.max_steps=12 --set trainer.per_device_train_batch_size=16 --set trainer.num_generations=8 "
+        "--set trainer.max_completion_length=256"
+    )
     colocated = [x for x in text.splitlines() if " -m colocate_rl train " in x]
     assert len(colocated) == 6 and all(x.startswith("CUDA_VISIBLE_DEVICES=0,1 ") and common in x for x in colocated)
     assert "--set distributed.zero_stage=auto --set trainer.gradient_checkpointing=auto" in colocated[0]
@@ -262,8 +341,13 @@ def test_bench_script_dry_run_prints_every_row(tmp_path):
     assert f"CUDA_VISIBLE_DEVICES=1 {Path(sys.executable).with_name('trl')} vllm-serve --model " in text
     assert "CUDA_VISIBLE_DEVICES=0 HF_HUB_OFFLINE=1 " in text and "--nproc-per-node 1" in text
     assert text.count("http://127.0.0.1:8765 12") == 2  # the server rows: 32 and 256 completions per step
-    bad = subprocess.run([sys.executable, "scripts/bench_layouts.py", "--out", str(out), "--rows", "zero5",
-                          "--dry-run"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "scripts/bench_layouts.py", "--out", str(out), "--rows", "zero5", "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "unknown rows ['zero5']" in bad.stderr
 
 
@@ -277,20 +361,36 @@ def test_bench_results_from_metrics(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     walls = [10.0, 11.5, 13.0, 14.2, 15.9]
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "wall_s": w, "time/train_s": 0.1 * (i + 1)})
-                                               + "\n" for i, w in enumerate(walls))
-                                       + json.dumps({"step": 5, "wall_s": 16.0, "train_runtime": 16.0}) + "\n")
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": i + 1, "wall_s": w, "time/train_s": 0.1 * (i + 1)}) + "\n" for i, w in enumerate(walls)
+        )
+        + json.dumps({"step": 5, "wall_s": 16.0, "train_runtime": 16.0})
+        + "\n"
+    )
     stats = B.step_stats(run)
     assert stats["median_s_per_step"] == pytest.approx(1.5)  # diffs 1.5, 1.5, 1.2, 1.7
     assert stats["times"] == {"time/train_s": 0.35} and stats["steps_logged"] == 5
-    table = B.markdown([{"row": "zero3", "completions_per_step": 32, "ok": True, "median_s_per_step": 3.0, "times": {}},
-                        {"row": "auto", "completions_per_step": 32, "ok": True, "median_s_per_step": 1.5,
-                         "times": {}}])
+    table = B.markdown(
+        [
+            {"row": "zero3", "completions_per_step": 32, "ok": True, "median_s_per_step": 3.0, "times": {}},
+            {"row": "auto", "completions_per_step": 32, "ok": True, "median_s_per_step": 1.5, "times": {}},
+        ]
+    )
     assert "| auto | 32 |  | 1.500 | 2.00 |" in table and "auto vs forced ZeRO-3 (32 completions/step): 2.00×" in table
-    row = lambda name, n, s: {"row": name, "completions_per_step": n, "ok": True, "median_s_per_step": s,  # noqa: E731
-                              "times": {}}
-    big = B.markdown([row("auto-256", 256, 6.5), row("zero3-256", 256, 14.3), row("server-256", 256, 9.75),
-                      row("server", 32, 1.8)])  # each batch size compares with its own references
+
+    def row(name, n, s):
+        return {
+            "row": name,
+            "completions_per_step": n,
+            "ok": True,
+            "median_s_per_step": s,
+            "times": {},
+        }
+
+    big = B.markdown(
+        [row("auto-256", 256, 6.5), row("zero3-256", 256, 14.3), row("server-256", 256, 9.75), row("server", 32, 1.8)]
+    )  # each batch size compares with its own references
     assert "| auto-256 | 256 |  | 6.500 | 2.20 | 1.50 |" in big and "(32 completions" not in big
     assert "auto vs forced ZeRO-3 (256 completions/step): 2.20×" in big
     assert "auto vs server mode (256 completions/step): 1.50×" in big
@@ -304,5 +404,10 @@ def test_engine_trainer_offload_keeps_only_layouts_it_supports():
     from colocate_rl.errors import UserError
 
     with pytest.raises(UserError, match="the optimizer states already live on CPU"):
-        resolved("gpu-0.5b-layout", 1, 12.0, "generation.offload_trainer_during_generation=true",
-                 "distributed.offload_optimizer=true")
+        resolved(
+            "gpu-0.5b-layout",
+            1,
+            12.0,
+            "generation.offload_trainer_during_generation=true",
+            "distributed.offload_optimizer=true",
+        )

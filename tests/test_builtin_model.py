@@ -25,7 +25,9 @@ def _weights(path):
 
 
 def test_import_is_light():
-    code = "import sys, colocate_rl.builtin_model; print(sorted({'torch','transformers','tokenizers'} & set(sys.modules)))"
+    code = (
+        "import sys, colocate_rl.builtin_model; print(sorted({'torch','transformers','tokenizers'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -114,8 +116,13 @@ def test_tokenizer_same_under_both_loaders(tiny):
     fast = PreTrainedTokenizerFast.from_pretrained(tiny)
     auto = AutoTokenizer.from_pretrained(tiny)
     chat = auto.apply_chat_template(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 7 * 6?"},
-         {"role": "assistant", "content": "42"}], tokenize=False)
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is 7 * 6?"},
+            {"role": "assistant", "content": "42"},
+        ],
+        tokenize=False,
+    )
     for s in STRINGS + [chat]:
         ids = fast(s).input_ids
         assert ids == auto(s).input_ids, s
@@ -128,7 +135,9 @@ def test_chat_template(tiny):
     tok = bm.load_tokenizer(tiny)
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "What is 1 + 1?"}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert text.endswith("<|im_start|>assistant\n")
     assert not tok.apply_chat_template(msgs, tokenize=False).endswith("assistant\n")
     assert "chat_template" in json.loads((tiny / "tokenizer_config.json").read_text())
@@ -156,9 +165,11 @@ def test_subprocess_build_leaves_torch_out_of_the_caller(tmp_path, tiny):
     # The launcher supervises the whole run: a build in its own process would keep the CUDA context and torch's
     # cached blocks (the whole model) on GPU 0 until the run ends. Built in a child, the caller never loads torch,
     # and the child's build is the same files as an in-process build with the same seed.
-    code = ("import json, sys; from colocate_rl.builtin_model import build_model_in_subprocess as b; "
-            f"print(b('tiny', {str(tmp_path / 'm')!r}, seed=0)); "
-            "print(json.dumps(sorted({'torch', 'transformers', 'tokenizers'} & set(sys.modules))))")
+    code = (
+        "import json, sys; from colocate_rl.builtin_model import build_model_in_subprocess as b; "
+        f"print(b('tiny', {str(tmp_path / 'm')!r}, seed=0)); "
+        "print(json.dumps(sorted({'torch', 'transformers', 'tokenizers'} & set(sys.modules))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == [str(tmp_path / "m"), "[]"]
     assert _weights(tmp_path / "m").keys() == _weights(tiny).keys()

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import assert_user_error
 
+from colocate_rl.errors import UserError
+from colocate_rl.launch.execute import check_run_dir_free, worker_errors, write_run_dir
+from colocate_rl.plan.host import Gpu, Host
+from colocate_rl.plan.launch_plan import make_plan
+from colocate_rl.plan.resolve import resolve
 from colocate_rl.plan.sources import (
     expand_hostlist,
     layer_distributed,
@@ -22,21 +28,21 @@ from colocate_rl.plan.sources import (
     recipe_identity,
     slurm_settings,
 )
-from colocate_rl.errors import UserError
-from colocate_rl.plan.host import Gpu, Host
-from colocate_rl.launch.execute import check_run_dir_free, worker_errors, write_run_dir
-from colocate_rl.plan.launch_plan import make_plan
 from colocate_rl.recipe.schema import parse_recipe
-from colocate_rl.plan.resolve import resolve
-from conftest import assert_user_error
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 CPU = Host(gpus=(), has_vllm=False, cpu_count=2)
 GPU8 = Host(gpus=(Gpu("H200", 140.0),) * 8, has_vllm=True, cpu_count=128)
 MINIMAL = {"rewards": [{"name": "digit_share"}]}
-SLURM = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_NTASKS": "2",
-         "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NODEID": "1"}
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NNODES": "2",
+    "SLURM_NTASKS": "2",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_NODEID": "1",
+}
 
 
 def clean_env(**extra):
@@ -46,9 +52,14 @@ def clean_env(**extra):
 
 
 def cli(*args, env=None, cwd=ROOT, timeout=120):
-    return subprocess.run([sys.executable, "-m", "colocate_rl", *args], capture_output=True, text=True, cwd=cwd,
-                          env=clean_env(**(env or {})), timeout=timeout)
-
+    return subprocess.run(
+        [sys.executable, "-m", "colocate_rl", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=clean_env(**(env or {})),
+        timeout=timeout,
+    )
 
 
 def resolved_for(distributed=None, host=CPU, **sections):
@@ -57,8 +68,14 @@ def resolved_for(distributed=None, host=CPU, **sections):
 
 
 def plan_for(run_dir, distributed=None, host=CPU, **sections):
-    return make_plan(resolved_for(distributed, host, **sections), run_dir=Path(run_dir), python="/venv/bin/python",
-                     cwd=Path("/work"), cache_dir=Path("/cache"), base_env={})
+    return make_plan(
+        resolved_for(distributed, host, **sections),
+        run_dir=Path(run_dir),
+        python="/venv/bin/python",
+        cwd=Path("/work"),
+        cache_dir=Path("/cache"),
+        base_env={},
+    )
 
 
 TWO_NODES = {"nnodes": 2, "rdzv_endpoint": "node0:29500", "rdzv_id": "job7"}
@@ -67,14 +84,17 @@ TWO_NODES = {"nnodes": 2, "rdzv_endpoint": "node0:29500", "rdzv_id": "job7"}
 # ------------------------------------------------------------------------------------------- Slurm
 
 
-@pytest.mark.parametrize("text, hosts", [
-    ("node01", ["node01"]),
-    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
-    ("n[8-10]", ["n8", "n9", "n10"]),
-    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
-    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
-    ("a[1,3],b,c[2-3]", ["a1", "a3", "b", "c2", "c3"]),
-])
+@pytest.mark.parametrize(
+    "text, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+        ("n[8-10]", ["n8", "n9", "n10"]),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("a[1,3],b,c[2-3]", ["a1", "a3", "b", "c2", "c3"]),
+    ],
+)
 def test_expand_hostlist(text, hosts):
     assert expand_hostlist(text) == hosts
 
@@ -94,18 +114,26 @@ def test_slurm_settings_under_srun():
         "rdzv_id": ("4242", "Slurm SLURM_JOB_ID"),
     }
     # The step's own node list and count win over the job's; MASTER_PORT sets the port.
-    step = {**SLURM, "SLURM_STEP_NUM_NODES": "3", "SLURM_STEP_NODELIST": "b[2-4]", "SLURM_STEP_NUM_TASKS": "3",
-            "MASTER_PORT": "31000"}
+    step = {
+        **SLURM,
+        "SLURM_STEP_NUM_NODES": "3",
+        "SLURM_STEP_NODELIST": "b[2-4]",
+        "SLURM_STEP_NUM_TASKS": "3",
+        "MASTER_PORT": "31000",
+    }
     got = {s.key: s.value for s in slurm_settings(step)}
     assert (got["nnodes"], got["rdzv_endpoint"]) == (3, "b2:31000")
 
 
-@pytest.mark.parametrize("env", [
-    {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"},  # the batch script itself, not srun
-    {**SLURM, "SLURM_STEP_ID": "4294967291"},  # the batch step
-    {**SLURM, "SLURM_NNODES": "1", "SLURM_NTASKS": "1"},  # one node: plain single-node run
-    {},
-])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"},  # the batch script itself, not srun
+        {**SLURM, "SLURM_STEP_ID": "4294967291"},  # the batch step
+        {**SLURM, "SLURM_NNODES": "1", "SLURM_NTASKS": "1"},  # one node: plain single-node run
+        {},
+    ],
+)
 def test_slurm_settings_only_in_a_multi_node_srun_step(env):
     assert slurm_settings(env) == []
 
@@ -121,7 +149,11 @@ def test_precedence_defaults_recipe_slurm_set_flags():
     recipe = {**MINIMAL, "distributed": {"nnodes": 4, "rdzv_id": "from-recipe", "rdzv_backend": "static"}}
     data, sources = layer_distributed(recipe, [], {}, SLURM)
     assert {k: data["distributed"][k] for k in ("nnodes", "node_rank", "rdzv_id", "rdzv_backend")} == {
-        "nnodes": 2, "node_rank": 1, "rdzv_id": "4242", "rdzv_backend": "static"}
+        "nnodes": 2,
+        "node_rank": 1,
+        "rdzv_id": "4242",
+        "rdzv_backend": "static",
+    }
     assert sources["nnodes"] == "Slurm SLURM_NNODES" and sources["rdzv_backend"] == "recipe"
     assert recipe["distributed"]["nnodes"] == 4  # the caller's mapping is not changed
 
@@ -139,12 +171,15 @@ def test_precedence_defaults_recipe_slurm_set_flags():
     assert parse_recipe(layer_distributed(MINIMAL, ["distributed.rdzv_id=99"], {}, {})[0]).distributed.rdzv_id == "99"
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    (("0", None, None, None), "--nnodes: expected a whole number ≥ 1, got '0'"),
-    (("two", None, None, None), "--nnodes: expected a whole number ≥ 1, got 'two'"),
-    ((None, "-1", None, None), "--node-rank: expected a whole number ≥ 0, got '-1'"),
-    ((None, None, None, " "), "--rdzv-id: must not be empty"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (("0", None, None, None), "--nnodes: expected a whole number ≥ 1, got '0'"),
+        (("two", None, None, None), "--nnodes: expected a whole number ≥ 1, got 'two'"),
+        ((None, "-1", None, None), "--node-rank: expected a whole number ≥ 0, got '-1'"),
+        ((None, None, None, " "), "--rdzv-id: must not be empty"),
+    ],
+)
 def test_bad_node_flags(flags, fragment):
     with pytest.raises(UserError, match=fragment):
         parse_node_flags(*flags)
@@ -165,21 +200,40 @@ def test_tensor_parallel_groups_never_span_nodes(tp, ok):
     else:
         with pytest.raises(UserError) as info:
             resolved_for(TWO_NODES, GPU8, generation={"tensor_parallel_size": tp})
-        assert info.value.lines == [f"generation.tensor_parallel_size: {tp} does not divide "
-                                    "distributed.nproc_per_node (8); tensor-parallel groups must stay inside one node"]
+        assert info.value.lines == [
+            f"generation.tensor_parallel_size: {tp} does not divide "
+            "distributed.nproc_per_node (8); tensor-parallel groups must stay inside one node"
+        ]
 
 
 def test_cli_node_errors_name_their_source(tmp_path):
-    assert_user_error(cli("train", "recipes/quickstart.yaml", "--dry-run", "--nnodes", "2", "--node-rank", "2",
-                          "--rdzv-endpoint", "h:1"),
-                      "distributed.node_rank: 2 must be below nnodes (2) (from --node-rank)")
-    assert_user_error(cli("train", "recipes/quickstart.yaml", "--dry-run", "--nnodes", "2", "--rdzv-endpoint",
-                          "node0"), "distributed.rdzv_endpoint: 'node0' must be host:port with a port number")
+    assert_user_error(
+        cli(
+            "train",
+            "recipes/quickstart.yaml",
+            "--dry-run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "2",
+            "--rdzv-endpoint",
+            "h:1",
+        ),
+        "distributed.node_rank: 2 must be below nnodes (2) (from --node-rank)",
+    )
+    assert_user_error(
+        cli("train", "recipes/quickstart.yaml", "--dry-run", "--nnodes", "2", "--rdzv-endpoint", "node0"),
+        "distributed.rdzv_endpoint: 'node0' must be host:port with a port number",
+    )
     assert_user_error(cli("train", "recipes/quickstart.yaml", "--dry-run", "--nnodes", "0"), "--nnodes: expected")
-    assert_user_error(cli("validate", "recipes/quickstart.yaml", "--nnodes", "2"),
-                      "distributed.rdzv_endpoint: required when nnodes > 1")
-    assert_user_error(cli("train", "recipes/quickstart.yaml", "--dry-run", env={**SLURM, "SLURM_NTASKS": "4"}),
-                      "SLURM_NTASKS: srun started 4 tasks on 2 nodes")
+    assert_user_error(
+        cli("validate", "recipes/quickstart.yaml", "--nnodes", "2"),
+        "distributed.rdzv_endpoint: required when nnodes > 1",
+    )
+    assert_user_error(
+        cli("train", "recipes/quickstart.yaml", "--dry-run", env={**SLURM, "SLURM_NTASKS": "4"}),
+        "SLURM_NTASKS: srun started 4 tasks on 2 nodes",
+    )
 
 
 # ------------------------------------------------------------------------------------------- plan and run dir
@@ -188,8 +242,13 @@ def test_cli_node_errors_name_their_source(tmp_path):
 def test_multi_node_plan_layout_and_hash():
     node0 = plan_for("/runs/r", {**TWO_NODES, "node_rank": 0})
     node1 = plan_for("/runs/r", {**TWO_NODES, "node_rank": 1})
-    assert sorted(node1.files) == ["deepspeed.json", "launch.json", "nodes/1/launch.sh",
-                                   "nodes/1/recipe-identity.json", "recipe.yaml"]
+    assert sorted(node1.files) == [
+        "deepspeed.json",
+        "launch.json",
+        "nodes/1/launch.sh",
+        "nodes/1/recipe-identity.json",
+        "recipe.yaml",
+    ]
     assert node1.node_dir == "nodes/1"
     # the shared files are byte-identical on every node; the shared recipe has no node rank
     for name in ("recipe.yaml", "launch.json", "deepspeed.json"):
@@ -231,16 +290,21 @@ def test_nodes_share_one_run_dir(tmp_path):
     write_run_dir(plan_for(other, {**TWO_NODES, "node_rank": 0}))
     before = (other / "launch.json").read_text()
     assert write_run_dir(plan_for(other, {**TWO_NODES, "node_rank": 1}, trainer={"learning_rate": 0.5})) == [
-        "recipe.yaml", "launch.json"]
+        "recipe.yaml",
+        "launch.json",
+    ]
     assert (other / "launch.json").read_text() == before
 
 
-@pytest.mark.parametrize("leftover, fragment", [
-    ("DONE", "holds a finished run (DONE)"),
-    ("train.log", "holds another run (train.log)"),
-    ("metrics.jsonl", "holds another run (metrics.jsonl)"),
-    ("final", "holds another run (final)"),
-])
+@pytest.mark.parametrize(
+    "leftover, fragment",
+    [
+        ("DONE", "holds a finished run (DONE)"),
+        ("train.log", "holds another run (train.log)"),
+        ("metrics.jsonl", "holds another run (metrics.jsonl)"),
+        ("final", "holds another run (final)"),
+    ],
+)
 def test_multi_node_run_dir_refuses_other_runs(tmp_path, leftover, fragment):
     (tmp_path / "recipe.yaml").write_text("x")
     (tmp_path / leftover).mkdir() if leftover == "final" else (tmp_path / leftover).write_text("x")
@@ -254,16 +318,23 @@ def test_multi_node_run_dir_refuses_other_runs(tmp_path, leftover, fragment):
 
 
 def entry(node, h, file_hash=None, lr=0.01, host="h"):
-    return {"node_rank": str(node), "host": f"{host}{node}", "hash": h, "file_hash": file_hash or h,
-            "identity": {"trainer.learning_rate": lr, "trainer.max_steps": 3}}
+    return {
+        "node_rank": str(node),
+        "host": f"{host}{node}",
+        "hash": h,
+        "file_hash": file_hash or h,
+        "identity": {"trainer.learning_rate": lr, "trainer.max_steps": 3},
+    }
 
 
 def test_mismatch_message():
     assert mismatch_message([entry(0, "aa"), entry(0, "aa"), entry(1, "aa")]) is None
     message = mismatch_message([entry(0, "aa"), entry(1, "bb", lr=0.02), entry(2, "aa"), entry(3, "bb", lr=0.02)])
-    assert message.startswith("recipe mismatch between nodes: node 1 (h1), node 3 (h3) differ from node 0 (h0) in "
-                              "trainer.learning_rate (0.01 on node 0, 0.02 on node 1); start every node with the same "
-                              "recipe file and the same --set flags")
+    assert message.startswith(
+        "recipe mismatch between nodes: node 1 (h1), node 3 (h3) differ from node 0 (h0) in "
+        "trainer.learning_rate (0.01 on node 0, 0.02 on node 1); start every node with the same "
+        "recipe file and the same --set flags"
+    )
     assert "node 0, 2: aa, node 1, 3: bb" in message
     # ranks without the identity (only local rank 0 sends it): still names the nodes
     bare = [{**entry(0, "aa"), "identity": None}, {**entry(1, "bb"), "identity": None}]
@@ -313,15 +384,25 @@ def test_slurm_script_literal_sbatch_header():
 def test_slurm_script_dry_run_prints_each_node_command(tmp_path):
     log = tmp_path / "srun-options"
     write_fake_srun(tmp_path / "bin", log)
-    env = clean_env(PATH=f"{tmp_path / 'bin'}:{VENV_BIN}:{os.environ['PATH']}", DRY_RUN="1",
-                    SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu[07-08]", SLURM_CPUS_PER_TASK="4")
-    result = subprocess.run(["bash", str(ROOT / "scripts/slurm.sbatch"), "quickstart", "--set",
-                             "trainer.max_steps=3"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)
+    env = clean_env(
+        PATH=f"{tmp_path / 'bin'}:{VENV_BIN}:{os.environ['PATH']}",
+        DRY_RUN="1",
+        SLURM_JOB_ID="4242",
+        SLURM_NNODES="2",
+        SLURM_JOB_NODELIST="gpu[07-08]",
+        SLURM_CPUS_PER_TASK="4",
+    )
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts/slurm.sbatch"), "quickstart", "--set", "trainer.max_steps=3"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert log.read_text().split() == ["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                                       "--cpus-per-task=4"]
+    assert log.read_text().split() == ["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=4"]
     hashes = set()
     for node in (0, 1):
         block = out.split(f"# node {node} (")[1].split("# node ")[0]
@@ -331,47 +412,82 @@ def test_slurm_script_dry_run_prints_each_node_command(tmp_path):
         assert "# distributed.rdzv_endpoint = gpu07:29500  (Slurm first host of SLURM_STEP_NODELIST" in block
         assert "# distributed.rdzv_id = 4242  (Slurm SLURM_JOB_ID)" in block
         assert f"# run dir (not created): {tmp_path}/runs/quickstart-4242" in block
-        assert (f"-m torch.distributed.run --nnodes 2 --nproc-per-node 2 --node-rank {node} --rdzv-backend c10d "
-                f"--rdzv-endpoint gpu07:29500 --rdzv-id 4242 --log-dir {tmp_path}/runs/quickstart-4242/nodes/{node}/ranks "
-                f"--tee 3 -m colocate_rl.worker {tmp_path}/runs/quickstart-4242" in block)
+        assert (
+            f"-m torch.distributed.run --nnodes 2 --nproc-per-node 2 --node-rank {node} --rdzv-backend c10d "
+            f"--rdzv-endpoint gpu07:29500 --rdzv-id 4242 --log-dir {tmp_path}/runs/quickstart-4242/nodes/{node}/ranks "
+            f"--tee 3 -m colocate_rl.worker {tmp_path}/runs/quickstart-4242" in block
+        )
         hashes.add(block.split("# recipe hash: ")[1].split()[0])
     assert len(hashes) == 1  # both nodes computed the same recipe
     assert not (tmp_path / "runs").exists()
 
 
 def test_slurm_script_outside_slurm_fails_clearly(tmp_path):
-    result = subprocess.run(["bash", str(ROOT / "scripts/slurm.sbatch"), "recipes/quickstart.yaml"], cwd=tmp_path,
-                            env=clean_env(), capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts/slurm.sbatch"), "recipes/quickstart.yaml"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 2 and result.stderr.startswith("error: SLURM_JOB_ID: not inside a Slurm job")
 
 
 def test_multinode_script_dry_run_commands_agree(tmp_path):
     env = clean_env(PATH=f"{VENV_BIN}:{os.environ['PATH']}", MASTER_ADDR="10.0.0.1", NNODES="2", RDZV_ID="job9")
     script = str(ROOT / "scripts/multinode.sh")
-    result = subprocess.run(["bash", script, "recipes/quickstart.yaml", "--set", "trainer.max_steps=3", "--dry-run"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        ["bash", script, "recipes/quickstart.yaml", "--set", "trainer.max_steps=3", "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines == [f"# node {k}: colocate-rl train recipes/quickstart.yaml --set trainer.max_steps=3 --nnodes 2 "
-                     f"--node-rank {k} --rdzv-endpoint 10.0.0.1:29500 --rdzv-id job9 " for k in (0, 1)]
+    assert lines == [
+        f"# node {k}: colocate-rl train recipes/quickstart.yaml --set trainer.max_steps=3 --nnodes 2 "
+        f"--node-rank {k} --rdzv-endpoint 10.0.0.1:29500 --rdzv-id job9 "
+        for k in (0, 1)
+    ]
     # what each node would run, planned here: the same recipe hash, its own node rank
     hashes = set()
     for k, line in enumerate(lines):
-        plan = subprocess.run(["bash", "-c", line.split(": ", 1)[1] + " --dry-run"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=60)
+        plan = subprocess.run(
+            ["bash", "-c", line.split(": ", 1)[1] + " --dry-run"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert plan.returncode == 0, plan.stderr
         assert f"--node-rank {k} --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 --rdzv-id job9" in plan.stdout
         hashes.add(plan.stdout.split("# recipe hash: ")[1].split()[0])
     assert len(hashes) == 1
-    missing = subprocess.run(["bash", script, "recipes/quickstart.yaml"], cwd=ROOT, env={**env, "NNODES": "2"},
-                             capture_output=True, text=True, timeout=30)
+    missing = subprocess.run(
+        ["bash", script, "recipes/quickstart.yaml"],
+        cwd=ROOT,
+        env={**env, "NNODES": "2"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert missing.returncode == 2 and missing.stderr.startswith("error: NODE_RANK: not set")
 
 
 def test_single_node_script_ignores_slurm(tmp_path):
     env = clean_env(PATH=f"{VENV_BIN}:{os.environ['PATH']}", DRY_RUN="1", **SLURM)
-    result = subprocess.run(["bash", str(ROOT / "scripts/single-node.sh"), "recipes/quickstart.yaml"], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts/single-node.sh"), "recipes/quickstart.yaml"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("# node 0: colocate-rl train recipes/quickstart.yaml --dry-run --nnodes 1\n")
     assert "--nnodes 1 --nproc-per-node 2 --standalone -m colocate_rl.worker" in result.stdout
@@ -391,10 +507,28 @@ def start_nodes(run_dirs, per_node_sets, tmp_path):
     port = free_port()
     procs = []
     for node, (run_dir, sets) in enumerate(zip(run_dirs, per_node_sets)):
-        args = [sys.executable, "-m", "colocate_rl", "train", "recipes/quickstart.yaml", "--nnodes", "2",
-                "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}",
-                "--set", "distributed.nproc_per_node=1", "--set", "trainer.max_steps=3", *sets,
-                "--run-dir", str(run_dir)]
+        args = [
+            sys.executable,
+            "-m",
+            "colocate_rl",
+            "train",
+            "recipes/quickstart.yaml",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            f"test-{port}",
+            "--set",
+            "distributed.nproc_per_node=1",
+            "--set",
+            "trainer.max_steps=3",
+            *sets,
+            "--run-dir",
+            str(run_dir),
+        ]
         out = (tmp_path / f"node{node}.out").open("w")
         procs.append((subprocess.Popen(args, cwd=ROOT, env=clean_env(), stdout=out, stderr=subprocess.STDOUT), out))
     results = []
@@ -415,8 +549,9 @@ def test_two_nodes_train_together_into_one_run_dir(tmp_path):
     start = time.perf_counter()
     (code0, out0), (code1, out1) = start_nodes([run, run], [[], []], tmp_path)
     elapsed = time.perf_counter() - start
-    logs = "".join((run / f"nodes/{k}/train.log").read_text()[-3000:] for k in (0, 1) if
-                   (run / f"nodes/{k}/train.log").exists())
+    logs = "".join(
+        (run / f"nodes/{k}/train.log").read_text()[-3000:] for k in (0, 1) if (run / f"nodes/{k}/train.log").exists()
+    )
     assert (code0, code1) == (0, 0), out0 + out1 + logs
     # one set of shared outputs, written by global rank 0
     assert json.loads((run / "DONE").read_text()) == {"global_step": 3, "world_size": 2}
@@ -432,8 +567,11 @@ def test_two_nodes_train_together_into_one_run_dir(tmp_path):
     assert "node_rank" not in yaml.safe_load((run / "recipe.yaml").read_text())["distributed"]
     assert "node         0 of 2" in out0 and "node         1 of 2" in out1
     hash0 = out0.split("recipe hash  ")[1].split()[0]
-    assert hash0 == out1.split("recipe hash  ")[1].split()[0] == json.loads((run / "launch.json").read_text())[
-        "recipe_hash"]
+    assert (
+        hash0
+        == out1.split("recipe hash  ")[1].split()[0]
+        == json.loads((run / "launch.json").read_text())["recipe_hash"]
+    )
     assert "step 3/3" in out0 and "reward first → last" in out0
     print(f"two nodes, 3 steps: {elapsed:.1f} s")
 
@@ -447,9 +585,12 @@ def test_node_with_another_recipe_fails_fast_on_every_node(tmp_path, shared):
     elapsed = time.perf_counter() - start
     for code, out in results:
         assert code not in (0, 2), out  # torchrun's failure code: the ranks stopped, not the launcher
-        assert ("error: recipe mismatch between nodes: node 1 (" in out
-                and "in trainer.learning_rate (0.01 on node 0, 0.02 on node 1); start every node with the same "
-                    "recipe file and the same --set flags" in out), out
+        assert (
+            "error: recipe mismatch between nodes: node 1 (" in out
+            and "in trainer.learning_rate (0.01 on node 0, 0.02 on node 1); start every node with the same "
+            "recipe file and the same --set flags"
+            in out
+        ), out
     assert elapsed < 90
     if shared:  # the later node found the shared files written from the other recipe and left them alone
         assert any("were written by another node from a different recipe" in out for _, out in results)

@@ -3,13 +3,16 @@
 from colocate_rl.launch.failures import diagnose
 from colocate_rl.recipe.schema import parse_recipe
 
-RECIPE = parse_recipe({"rewards": [{"name": "digit_share"}], "generation": {"vllm_gpu_memory_utilization": 0.5,
-                                                                          "sleep_level": 0}})
+RECIPE = parse_recipe(
+    {"rewards": [{"name": "digit_share"}], "generation": {"vllm_gpu_memory_utilization": 0.5, "sleep_level": 0}}
+)
 
 
 def test_vllm_startup_memory():
-    log = ("ValueError: Free memory on device (40.1/139.8 GiB) on startup is less than desired GPU memory "
-           "utilization (0.5, 69.9 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+    log = (
+        "ValueError: Free memory on device (40.1/139.8 GiB) on startup is less than desired GPU memory "
+        "utilization (0.5, 69.9 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes."
+    )
     [line] = diagnose(log, RECIPE)
     assert line.startswith("vLLM could not reserve generation.vllm_gpu_memory_utilization=0.5")
     assert "e.g. 0.4" in line and "mem-probe" in line
@@ -24,8 +27,12 @@ def test_kv_cache_too_small():
 def test_trainer_oom_names_the_keys():
     log = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."
     [line] = diagnose(log, RECIPE)
-    for key in ("generation.sleep_level: 2", "distributed.deepspeed: zero3", "trainer.gradient_checkpointing",
-                "trainer.per_device_train_batch_size"):
+    for key in (
+        "generation.sleep_level: 2",
+        "distributed.deepspeed: zero3",
+        "trainer.gradient_checkpointing",
+        "trainer.per_device_train_batch_size",
+    ):
         assert key in line
 
 

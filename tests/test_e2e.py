@@ -13,9 +13,14 @@ pytestmark = pytest.mark.slow
 
 
 def train(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "colocate_rl", "train", *args, "--run-dir", str(run_dir)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "COLUMNS": "200"})
+    return subprocess.run(
+        [sys.executable, "-m", "colocate_rl", "train", *args, "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "COLUMNS": "200"},
+    )
 
 
 def rewards(run_dir: Path) -> list[float]:
@@ -54,8 +59,14 @@ def test_quickstart_zero3_two_ranks_learns(tmp_path):
         assert {x["phase"] for x in lines if "phase" in x} >= {"generate", "train", "optimizer", "reward"}
         assert sum(1 for x in lines if set(x) == {"t", "mem"}) > 20  # the ~10 Hz sampler
     # the report of the real run: tables on stdout, non-empty PNGs in the run directory
-    report = subprocess.run([sys.executable, "-m", "colocate_rl", "report", str(run_dir)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    report = subprocess.run(
+        [sys.executable, "-m", "colocate_rl", "report", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert report.returncode == 0, report.stderr
     assert "time per step by phase" in report.stdout and "generate" in report.stdout
     for name in ("memory_timeline.png", "step_breakdown.png", "reward.png"):
@@ -67,9 +78,20 @@ def test_quickstart_zero3_two_ranks_learns(tmp_path):
 
 def test_rloo_ddp_runs(tmp_path):
     run_dir = tmp_path / "rloo"
-    result = train(run_dir, "recipes/quickstart.yaml", "--set", "algorithm=rloo", "--set", "trainer.max_steps=6",
-                   "--set", "distributed.deepspeed=null", "--set", "distributed.deepspeed_overrides={}",
-                   "--set", "trainer.extra_args={normalize_advantages: true}")
+    result = train(
+        run_dir,
+        "recipes/quickstart.yaml",
+        "--set",
+        "algorithm=rloo",
+        "--set",
+        "trainer.max_steps=6",
+        "--set",
+        "distributed.deepspeed=null",
+        "--set",
+        "distributed.deepspeed_overrides={}",
+        "--set",
+        "trainer.extra_args={normalize_advantages: true}",
+    )
     assert result.returncode == 0, (run_dir / "train.log").read_text()[-5000:]
     assert len(rewards(run_dir)) == 6
     assert "deepspeed" not in json.loads((run_dir / "launch.json").read_text())["trl_args"]
@@ -79,9 +101,25 @@ def test_failing_rank_propagates_exit_code_and_log_tail(tmp_path):
     """A reward that raises on the ranks: the CLI exits with torchrun's non-zero code and points at the log."""
     (tmp_path / "boom.py").write_text("def boom(prompts, completions, **kw):\n    raise RuntimeError('boom-42')\n")
     run_dir = tmp_path / "fail"
-    result = subprocess.run([sys.executable, "-m", "colocate_rl", "train", str(ROOT / "recipes/quickstart.yaml"),
-                             "--set", "rewards=[{name: boom.py:boom}]", "--set", "trainer.max_steps=2",
-                             "--run-dir", str(run_dir)], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colocate_rl",
+            "train",
+            str(ROOT / "recipes/quickstart.yaml"),
+            "--set",
+            "rewards=[{name: boom.py:boom}]",
+            "--set",
+            "trainer.max_steps=2",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode not in (0, 2)
     assert "boom-42" in (run_dir / "train.log").read_text()
     assert "training failed" in result.stdout and not (run_dir / "DONE").exists()

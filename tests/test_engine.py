@@ -26,8 +26,15 @@ def tiny_model(seed=0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     return Qwen2ForCausalLM(config)
 
 
@@ -121,8 +128,12 @@ def test_buckets_are_bounded_by_bytes_and_use_the_full_size_of_sharded_parameter
 
 def test_checked_names_are_norms_and_an_unsharded_projection():
     names = [n for n, _ in tiny_model().named_parameters()]
-    assert E.check_names(names, 1) == ["model.norm.weight", "model.layers.0.input_layernorm.weight",
-                                       "model.layers.2.input_layernorm.weight", "model.layers.2.mlp.down_proj.weight"]
+    assert E.check_names(names, 1) == [
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.2.input_layernorm.weight",
+        "model.layers.2.mlp.down_proj.weight",
+    ]
     assert "model.layers.2.mlp.down_proj.weight" not in E.check_names(names, 2)  # vLLM shards it under TP
 
 
@@ -131,8 +142,11 @@ def test_compare_weights_reports_differences_shapes_and_missing_tensors():
     b = {"x": torch.ones(3), "y": torch.tensor([1.0, 1.5])}
     assert E.compare_weights(a, b) == ["y differs (max abs difference 0.5)", "z not found in vLLM's model"]
     assert E.compare_weights({"x": torch.ones(3)}, {"x": torch.ones(4)}) == [
-        "x has shape (4,) in vLLM, (3,) in the trainer"]
-    assert E.compare_weights({"x": torch.ones(3, dtype=torch.float32)}, {"x": torch.ones(3, dtype=torch.bfloat16)}) == []
+        "x has shape (4,) in vLLM, (3,) in the trainer"
+    ]
+    assert (
+        E.compare_weights({"x": torch.ones(3, dtype=torch.float32)}, {"x": torch.ones(3, dtype=torch.bfloat16)}) == []
+    )
 
 
 def test_install_makes_both_trainers_build_the_engine_with_the_options():
@@ -151,24 +165,51 @@ def test_install_makes_both_trainers_build_the_engine_with_the_options():
 
 
 def test_llm_kwargs_carry_the_recipe_options(monkeypatch):
-    eng = make_engine(monkeypatch, tiny_model(), [], sleep_level=0, enforce_eager=True, max_num_batched_tokens=8192,
-                      enable_prefix_caching=False, kv_cache_memory_bytes=12 * 2**30)
+    eng = make_engine(
+        monkeypatch,
+        tiny_model(),
+        [],
+        sleep_level=0,
+        enforce_eager=True,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=12 * 2**30,
+    )
     eng.accelerator = type("A", (), {"process_index": 3})()
     eng.model.name_or_path = "/m"
     eng.gpu_memory_utilization, eng.max_model_length, eng.max_num_seqs = 0.4, 512, 64
     eng.model_impl, eng.trust_remote_code = "auto", False
     kwargs = eng.llm_kwargs()
-    assert kwargs == dict(model="/m", tensor_parallel_size=1, gpu_memory_utilization=0.4, max_model_len=512,
-                          max_num_seqs=64, enable_sleep_mode=False, model_impl="auto",
-                          distributed_executor_backend="external_launcher", seed=3, max_num_batched_tokens=8192,
-                          logprobs_mode="processed_logprobs", trust_remote_code=False, enforce_eager=True,
-                          enable_prefix_caching=False, kv_cache_memory_bytes=12 * 2**30)
+    assert kwargs == dict(
+        model="/m",
+        tensor_parallel_size=1,
+        gpu_memory_utilization=0.4,
+        max_model_len=512,
+        max_num_seqs=64,
+        enable_sleep_mode=False,
+        model_impl="auto",
+        distributed_executor_backend="external_launcher",
+        seed=3,
+        max_num_batched_tokens=8192,
+        logprobs_mode="processed_logprobs",
+        trust_remote_code=False,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=12 * 2**30,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the cycle
 
-CYCLE_LEVEL2 = [("empty_cache",), ("wake", ("weights",)), ("load", 38), ("reset_prefix_cache",),
-                ("wake", ("kv_cache",)), ("generate", 2), ("sleep", 2)]
+CYCLE_LEVEL2 = [
+    ("empty_cache",),
+    ("wake", ("weights",)),
+    ("load", 38),
+    ("reset_prefix_cache",),
+    ("wake", ("kv_cache",)),
+    ("generate", 2),
+    ("sleep", 2),
+]
 
 
 def test_level2_cycle_order_and_push_after_every_wake(monkeypatch):
@@ -190,8 +231,7 @@ def test_level1_keeps_weights_across_sleep_and_level0_never_sleeps(monkeypatch):
     eng.generate([[1]], None, 1)
     events.clear()
     eng.generate([[1]], None, 1)  # same step again: wake the CPU copy, no push
-    assert events == [("empty_cache",), ("wake", ("weights",)), ("wake", ("kv_cache",)), ("generate", 1),
-                      ("sleep", 1)]
+    assert events == [("empty_cache",), ("wake", ("weights",)), ("wake", ("kv_cache",)), ("generate", 1), ("sleep", 1)]
     events.clear()
     eng = make_engine(monkeypatch, tiny_model(), events, sleep_level=0, check_weights=False)
     eng.sync_weights()
@@ -206,7 +246,9 @@ def test_small_buckets_split_the_push_into_several_loads(monkeypatch):
     eng = make_engine(monkeypatch, model, events, sleep_level=0, bucket_bytes=total // 4)
     eng.sync_weights()
     loads = eng.llm.vllm_model.loads
-    assert len(loads) >= 4 and sorted(n for load in loads for n in load) == sorted(n for n, _ in model.named_parameters())
+    assert len(loads) >= 4 and sorted(n for load in loads for n in load) == sorted(
+        n for n, _ in model.named_parameters()
+    )
 
 
 def test_stale_weights_stop_the_run(monkeypatch):
@@ -246,8 +288,14 @@ def test_trainer_states_leave_the_gpu_while_vllm_generates(monkeypatch):
     eng.accelerator.deepspeed_engine_wrapped = type("Wrapped", (), {"engine": ds})()
     eng.sync_weights()
     eng.generate([[1]], None, 1)
-    assert events[-6:] == [("offload", E.OFFLOADED_STATES), ("empty_cache",), ("wake", ("kv_cache",)),
-                           ("generate", 1), ("sleep", 2), ("reload",)]
+    assert events[-6:] == [
+        ("offload", E.OFFLOADED_STATES),
+        ("empty_cache",),
+        ("wake", ("kv_cache",)),
+        ("generate", 1),
+        ("sleep", 2),
+        ("reload",),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- ZeRO-3, 2 ranks
@@ -309,10 +357,28 @@ ZERO3_SCRIPT = textwrap.dedent("""
 def test_zero3_bucketed_push_gathers_full_weights_on_two_ranks(tmp_path, bucket_bytes, loads):
     script = tmp_path / "zero3_push.py"
     script.write_text(ZERO3_SCRIPT.format(tests=str(ROOT / "tests")))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / "colocate-rl" / "torch_extensions")}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(script), str(bucket_bytes)], env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / "colocate-rl" / "torch_extensions"),
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(bucket_bytes),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     import json

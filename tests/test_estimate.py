@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import assert_user_error
 
-from colocate_rl.memory import estimate as E
 from colocate_rl.builtin_model import LAYOUTS, param_count
 from colocate_rl.errors import UserError
+from colocate_rl.memory import estimate as E
 from colocate_rl.plan.host import assumed_host
-from colocate_rl.recipe.schema import load_recipe
 from colocate_rl.plan.resolve import resolve
-from conftest import assert_user_error
+from colocate_rl.recipe.schema import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -39,22 +39,37 @@ def est(recipe: str, gpus: int, *sets: str, gib: float = 80.0, prompt: int | Non
 
 
 def rec(recipe: str, gpus: int, *sets: str, gib: float = 80.0) -> E.Recommendation:
-    as_sets = lambda changes: [*sets, *(f"{k}={json.dumps(v)}" for k, v in changes.items())]  # noqa: E731
+    def as_sets(changes):
+        return [*sets, *(f"{k}={json.dumps(v)}" for k, v in changes.items())]
+
     return E.recommend(lambda changes: resolved(recipe, gpus, *as_sets(changes)), gib)
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "colocate_rl", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "colocate_rl", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""},
+        timeout=120,
+    )
 
 
 # ----------------------------------------------------------------------------------------- layouts and counts
 
-@pytest.mark.parametrize("name, params", [
-    ("Qwen/Qwen2.5-0.5B", 494_032_768), ("Qwen/Qwen2.5-1.5B-Instruct", 1_543_714_304),
-    ("Qwen/Qwen2.5-7B", 7_615_616_512), ("Qwen/Qwen2.5-72B-Instruct", 72_706_203_648),
-    ("meta-llama/Meta-Llama-3-8B", 8_030_261_248), ("meta-llama/Meta-Llama-3-8B-Instruct", 8_030_261_248),
-])
+
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("Qwen/Qwen2.5-0.5B", 494_032_768),
+        ("Qwen/Qwen2.5-1.5B-Instruct", 1_543_714_304),
+        ("Qwen/Qwen2.5-7B", 7_615_616_512),
+        ("Qwen/Qwen2.5-72B-Instruct", 72_706_203_648),
+        ("meta-llama/Meta-Llama-3-8B", 8_030_261_248),
+        ("meta-llama/Meta-Llama-3-8B-Instruct", 8_030_261_248),
+    ],
+)
 def test_parameter_counts_match_the_published_ones(name, params):
     assert E.layout_for(name).params == params
     assert E.layout_for(name.upper()).params == params  # hub ids are matched without case
@@ -71,20 +86,43 @@ def test_hub_table_covers_the_sizes_and_builtin_layouts_agree():
 
 
 def test_layout_from_a_local_model_directory(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False,
-        "max_position_embeddings": 8192}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 4096,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "intermediate_size": 14336,
+                "vocab_size": 128256,
+                "tie_word_embeddings": False,
+                "max_position_embeddings": 8192,
+            }
+        )
+    )
     assert E.layout_for(str(tmp_path)).params == 8_030_261_248
     e = E.estimate(resolved("gpu-0.5b-layout", 1, f"model.name={tmp_path}"), 80.0)
     assert e.kv["bytes_per_token"] == 2 * 32 * 8 * 128 * 2  # K+V × layers × KV heads × head dim × bf16 = 131,072
 
 
-@pytest.mark.parametrize("config, fragment", [
-    ({"hidden_size": 64}, "no num_hidden_layers, num_attention_heads, intermediate_size, vocab_size"),
-    ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
-      "vocab_size": 512, "num_experts": 8}, "mixture of experts"),
-])
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        ({"hidden_size": 64}, "no num_hidden_layers, num_attention_heads, intermediate_size, vocab_size"),
+        (
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+                "vocab_size": 512,
+                "num_experts": 8,
+            },
+            "mixture of experts",
+        ),
+    ],
+)
 def test_unusable_config_json_is_a_user_error(tmp_path, config, fragment):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=fragment):
@@ -92,18 +130,22 @@ def test_unusable_config_json_is_a_user_error(tmp_path, config, fragment):
 
 
 def test_unknown_hub_id_says_to_pass_a_local_path():
-    with pytest.raises(UserError, match="model.name: no layout known for 'org/NoSuchModel'; pass a local model "
-                                        "directory"):
+    with pytest.raises(
+        UserError, match="model.name: no layout known for 'org/NoSuchModel'; pass a local model directory"
+    ):
         E.layout_for("org/NoSuchModel")
 
 
 def test_import_is_light():
-    code = "import sys, colocate_rl.memory.estimate; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
+    code = (
+        "import sys, colocate_rl.memory.estimate; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 # ------------------------------------------------------------------------------------ hand-checked terms
+
 
 def test_qwen05b_one_gpu_by_hand():
     """recipes/gpu-0.5b-layout: DDP on 1 GPU of 80 GiB, bf16, micro-batch 16, completion 256, max_model_length 512
@@ -137,7 +179,8 @@ def test_qwen05b_one_gpu_by_hand():
     # the optimizer step's own need (resident + step buffers + residue, 6.13 GiB) is below training's, whose blocks
     # the allocator keeps reserved: the driver sees the training peak
     assert t["allocator cache kept from backward"] == {
-        "optimizer step": pytest.approx(10.828125 + 2.32742 - 2 * N05 / GIB, abs=1e-4)}
+        "optimizer step": pytest.approx(10.828125 + 2.32742 - 2 * N05 / GIB, abs=1e-4)
+    }
     assert e.total("optimizer step") == pytest.approx(e.total("training"))
     # window: lower = (0.9202 + 0.09375 + 2 allowance) / 80 = 0.03767; upper = (80 − 4.9308) / 80 = 0.93836;
     # chosen = lower + 5 % rounded up to a hundredth = 0.09
@@ -170,11 +213,17 @@ def test_ddp_over_several_gpus_keeps_a_bucket_copy_of_the_gradients_and_a_refere
     assert e.terms["NCCL communicators (trainer and vLLM)"] == {ph: 2.7 for ph in E.PHASES}
 
 
-@pytest.mark.parametrize("stage, weights, grads, opt, step", [
-    # bytes per parameter on each of 4 GPUs: bf16 weights 2, bf16 grads 2, fp32 master + Adam m/v 12, fp32 grads
-    # built at the step 4; ZeRO-1 shards the optimizer, ZeRO-2 also the grads, ZeRO-3 also the weights
-    (0, 2, 2, 12, 4), (1, 2, 2, 12 / 4, 4 / 4), (2, 2, 2 / 4, 12 / 4, 4 / 4), (3, 2 / 4, 2 / 4, 12 / 4, 4 / 4),
-])
+@pytest.mark.parametrize(
+    "stage, weights, grads, opt, step",
+    [
+        # bytes per parameter on each of 4 GPUs: bf16 weights 2, bf16 grads 2, fp32 master + Adam m/v 12, fp32 grads
+        # built at the step 4; ZeRO-1 shards the optimizer, ZeRO-2 also the grads, ZeRO-3 also the weights
+        (0, 2, 2, 12, 4),
+        (1, 2, 2, 12 / 4, 4 / 4),
+        (2, 2, 2 / 4, 12 / 4, 4 / 4),
+        (3, 2 / 4, 2 / 4, 12 / 4, 4 / 4),
+    ],
+)
 def test_zero_stage_sharding(stage, weights, grads, opt, step):
     e = est("gpu-1.5b-layout-zero3", 4, f"distributed.zero_stage={stage}")
     t = e.terms
@@ -186,8 +235,10 @@ def test_zero_stage_sharding(stage, weights, grads, opt, step):
     # weight-sync bucket (1024 MiB) with colocate-rl's engine, one parameter (the largest, the embedding) with TRL's
     assert ("ZeRO-3 gathered params" in t) == (stage == 3)
     if stage == 3:
-        assert t["ZeRO-3 gathered params"] == {"weight sync": pytest.approx(1.0),
-                                               "training": pytest.approx(2 * 10**9 / GIB)}
+        assert t["ZeRO-3 gathered params"] == {
+            "weight sync": pytest.approx(1.0),
+            "training": pytest.approx(2 * 10**9 / GIB),
+        }
         trl = est("gpu-1.5b-layout-zero3", 4, f"distributed.zero_stage={stage}", "generation.engine=trl").terms
         assert trl["ZeRO-3 gathered params"]["weight sync"] == pytest.approx(2 * 151_936 * 1536 / GIB)
         small = est("gpu-1.5b-layout-zero3", 4, "generation.weight_sync_bucket_mb=16").terms
@@ -223,6 +274,7 @@ def test_vllm_needs_room_for_one_full_length_sequence():
 
 # -------------------------------------------------------------------------------------------- recommendation
 
+
 def test_a_fitting_recipe_gets_the_lower_bound_plus_margin():
     r = rec("gpu-0.5b-layout", 1)
     assert r.final is r.base and r.applied == [] and r.changes == {"generation.vllm_gpu_memory_utilization": 0.09}
@@ -244,20 +296,34 @@ def test_sleep_on_is_the_cheapest_change_when_it_is_enough():
 
 
 def test_7b_with_long_completions_on_one_80gib_gpu_without_zero_does_not_fit():
-    sets = ("model.name=builtin:qwen2.5-7b", "trainer.per_device_train_batch_size=8",
-            "trainer.max_completion_length=4096", "generation.max_model_length=4608")
+    sets = (
+        "model.name=builtin:qwen2.5-7b",
+        "trainer.per_device_train_batch_size=8",
+        "trainer.max_completion_length=4096",
+        "generation.max_model_length=4608",
+    )
     r = rec("gpu-0.5b-layout", 1, *sets)
     # DDP: 14.19 weights + 14.19 grads + 28.37 AdamW; training adds 223 GiB of activations and 18.6 GiB of logits
     assert not r.base.fits and not r.base.asleep_fits and r.base.total("training") > 290
     # nothing alone fits; gradient checkpointing + ZeRO-3 + optimizer offload does (ZeRO-3 is what offload needs)
     assert r.applied == ["gradient checkpointing", "ZeRO-3", "optimizer offload"]
-    assert r.changes == {"trainer.gradient_checkpointing": True, "distributed.deepspeed": "zero3",
-                         "distributed.offload_optimizer": True, "generation.vllm_gpu_memory_utilization": 0.28}
+    assert r.changes == {
+        "trainer.gradient_checkpointing": True,
+        "distributed.deepspeed": "zero3",
+        "distributed.offload_optimizer": True,
+        "generation.vllm_gpu_memory_utilization": 0.28,
+    }
     f = r.final
     # training after the change: 1.25 context + 2 × 14.185 (weights, grads) + 0.28 residue + 2e9 B gathered params
     # + checkpointed activations (28 × 2 × 3584 + 232,448) B × 8 × 4608 tokens + logits 8 × 4097 × 152,064 × 4 B
-    expected = (1.25 + 2 * 2 * N7 / GIB + 0.28 + 2e9 / GIB + (28 * 2 * 3584 + 232_448) * 8 * 4608 / GIB
-                + 8 * 4097 * 152_064 * 4 / GIB)
+    expected = (
+        1.25
+        + 2 * 2 * N7 / GIB
+        + 0.28
+        + 2e9 / GIB
+        + (28 * 2 * 3584 + 232_448) * 8 * 4608 / GIB
+        + 8 * 4097 * 152_064 * 4 / GIB
+    )
     assert f.total("training") == pytest.approx(expected) and round(expected, 2) == 65.20
     assert f.fits
 
@@ -265,8 +331,13 @@ def test_7b_with_long_completions_on_one_80gib_gpu_without_zero_does_not_fit():
 def test_tensor_parallelism_and_shorter_completions_are_suggested():
     r = rec("qwen2.5-72b-grpo-colocate", 8, "generation.tensor_parallel_size=1")
     assert r.applied == ["TP"] and r.changes["generation.tensor_parallel_size"] == 4  # 135 GiB of weights at TP 1
-    r = rec("gpu-0.5b-layout", 1, "trainer.per_device_train_batch_size=64", "trainer.max_completion_length=8192",
-            "generation.max_model_length=8448")  # 296 GiB of logits: only shorter completions help
+    r = rec(
+        "gpu-0.5b-layout",
+        1,
+        "trainer.per_device_train_batch_size=64",
+        "trainer.max_completion_length=8192",
+        "generation.max_model_length=8448",
+    )  # 296 GiB of logits: only shorter completions help
     assert r.applied == ["shorter completions"]
     assert r.changes["trainer.max_completion_length"] == 256 and r.changes["generation.max_model_length"] == 512
 
@@ -276,10 +347,13 @@ def test_nothing_fits_on_a_tiny_gpu():
     assert r.final is None and "generation.vllm_gpu_memory_utilization" not in r.changes
 
 
-@pytest.mark.parametrize("sets, fragment", [
-    (["generation.backend=transformers"], "generation.backend: 'transformers'; mem-probe --estimate plans"),
-    (["generation.tensor_parallel_size=4"], "generation.tensor_parallel_size: 4 does not divide the model's 14"),
-])
+@pytest.mark.parametrize(
+    "sets, fragment",
+    [
+        (["generation.backend=transformers"], "generation.backend: 'transformers'; mem-probe --estimate plans"),
+        (["generation.tensor_parallel_size=4"], "generation.tensor_parallel_size: 4 does not divide the model's 14"),
+    ],
+)
 def test_estimate_user_errors(sets, fragment):
     with pytest.raises(UserError, match=fragment):
         est("gpu-0.5b-layout", 4, *sets)
@@ -287,22 +361,42 @@ def test_estimate_user_errors(sets, fragment):
 
 # --------------------------------------------------------------------------------------- against the H200
 
-@pytest.mark.parametrize("run, recipe, gpus, sets, measured, phase, low, high", [
-    # docs/gpu-runs.md, NVML of rank 0. Prompts of builtin:digits are 20–40 tokens with the chat template
-    # (tokenized with the built-in tokenizer), completions 256: estimated with --prompt-tokens 40. "step end" is
-    # right after the optimizer step, when the allocator still holds the training peak: max(training, optimizer).
-    # The bounds record today's gap; they were not used to pick any constant. Rank 0 of a fresh machine's first
-    # run also held the launcher's model build (4.1 GiB on the 1.5B layout, fixed since), which may be in them.
-    ("1gpu-0.5b-sleep-off", "gpu-0.5b-layout", 1, ["generation.sleep_level=0"], 49.773, "step end", -0.03, 0),
-    ("1gpu-0.5b-sleep-on", "gpu-0.5b-layout", 1, [], 14.554, "step end", -0.06, 0),
-    ("1gpu-0.5b-sleep-on", "gpu-0.5b-layout", 1, [], 41.517, "generation", -0.04, 0),
-    ("2gpu-1.5b-zero3-sleep-off", "gpu-1.5b-layout-zero3", 2, ["generation.sleep_level=0"], 67.558, "step end",
-     -0.18, 0),
-    ("2gpu-1.5b-zero3-sleep-on", "gpu-1.5b-layout-zero3", 2, [], 56.255, "generation", -0.18, 0),
-    ("2gpu-1.5b-zero3-sleep-on", "gpu-1.5b-layout-zero3", 2, [], 32.884, "step end", -0.33, 0),
-    ("2gpu-1.5b-zero3-offload-opt-sleep-on", "gpu-1.5b-layout-zero3", 2, ["distributed.offload_optimizer=true"],
-     21.115, "step end", -0.35, 0),
-])
+
+@pytest.mark.parametrize(
+    "run, recipe, gpus, sets, measured, phase, low, high",
+    [
+        # docs/gpu-runs.md, NVML of rank 0. Prompts of builtin:digits are 20–40 tokens with the chat template
+        # (tokenized with the built-in tokenizer), completions 256: estimated with --prompt-tokens 40. "step end" is
+        # right after the optimizer step, when the allocator still holds the training peak: max(training, optimizer).
+        # The bounds record today's gap; they were not used to pick any constant. Rank 0 of a fresh machine's first
+        # run also held the launcher's model build (4.1 GiB on the 1.5B layout, fixed since), which may be in them.
+        ("1gpu-0.5b-sleep-off", "gpu-0.5b-layout", 1, ["generation.sleep_level=0"], 49.773, "step end", -0.03, 0),
+        ("1gpu-0.5b-sleep-on", "gpu-0.5b-layout", 1, [], 14.554, "step end", -0.06, 0),
+        ("1gpu-0.5b-sleep-on", "gpu-0.5b-layout", 1, [], 41.517, "generation", -0.04, 0),
+        (
+            "2gpu-1.5b-zero3-sleep-off",
+            "gpu-1.5b-layout-zero3",
+            2,
+            ["generation.sleep_level=0"],
+            67.558,
+            "step end",
+            -0.18,
+            0,
+        ),
+        ("2gpu-1.5b-zero3-sleep-on", "gpu-1.5b-layout-zero3", 2, [], 56.255, "generation", -0.18, 0),
+        ("2gpu-1.5b-zero3-sleep-on", "gpu-1.5b-layout-zero3", 2, [], 32.884, "step end", -0.33, 0),
+        (
+            "2gpu-1.5b-zero3-offload-opt-sleep-on",
+            "gpu-1.5b-layout-zero3",
+            2,
+            ["distributed.offload_optimizer=true"],
+            21.115,
+            "step end",
+            -0.35,
+            0,
+        ),
+    ],
+)
 def test_gap_to_the_measured_h200_runs(run, recipe, gpus, sets, measured, phase, low, high):
     e = est(recipe, gpus, *sets, gib=H200, prompt=40)
     got = max(e.total("training"), e.total("optimizer step")) if phase == "step end" else e.total(phase)
@@ -316,43 +410,111 @@ def test_gap_to_the_measured_h200_runs(run, recipe, gpus, sets, measured, phase,
 # Bounds record today's gap. Two measurements set constants (estimate.py): the 0.5B sleep-on weight sync (9.812 GiB)
 # CUDA_CONTEXT_GIB; the two 2-GPU runs at share 0.5 (last rows) and the engine's asleep counts NCCL_GIB. The 1.5B
 # ZeRO-3 rows were not used for any constant.
-PROBE_05B_SLEEP = ["distributed.deepspeed=zero3", "distributed.zero_stage=3", "distributed.offload_optimizer=true",
-                   "distributed.offload_params=true", "trainer.gradient_checkpointing=true",
-                   "generation.vllm_gpu_memory_utilization=0.94"]
-PROBE_05B_AWAKE = ["generation.sleep_level=0", "distributed.deepspeed=zero3", "distributed.zero_stage=3",
-                   "distributed.offload_optimizer=true", "distributed.offload_params=false",
-                   "trainer.gradient_checkpointing=true", "generation.vllm_gpu_memory_utilization=0.84"]
+PROBE_05B_SLEEP = [
+    "distributed.deepspeed=zero3",
+    "distributed.zero_stage=3",
+    "distributed.offload_optimizer=true",
+    "distributed.offload_params=true",
+    "trainer.gradient_checkpointing=true",
+    "generation.vllm_gpu_memory_utilization=0.94",
+]
+PROBE_05B_AWAKE = [
+    "generation.sleep_level=0",
+    "distributed.deepspeed=zero3",
+    "distributed.zero_stage=3",
+    "distributed.offload_optimizer=true",
+    "distributed.offload_params=false",
+    "trainer.gradient_checkpointing=true",
+    "generation.vllm_gpu_memory_utilization=0.84",
+]
 
-PINNED_ZERO2 = ["distributed.deepspeed=zero3", "distributed.zero_stage=2", "distributed.offload_optimizer=false",
-                "distributed.offload_params=false", "trainer.gradient_checkpointing=false"]
+PINNED_ZERO2 = [
+    "distributed.deepspeed=zero3",
+    "distributed.zero_stage=2",
+    "distributed.offload_optimizer=false",
+    "distributed.offload_params=false",
+    "trainer.gradient_checkpointing=false",
+]
 
 
-@pytest.mark.parametrize("recipe, gpus, sets, measured, bounds", [
-    # sessions 3-5 (the same figures each time)
-    ("gpu-0.5b-layout", 1, [*PINNED_ZERO2, "generation.vllm_gpu_memory_utilization=0.94"],
-     (139.941, 9.812, 20.215, 20.215), ((0, 0.01), (-0.01, 0.01), (0.09, 0.1), (0.09, 0.1))),
-    # session 2
-    ("gpu-0.5b-layout", 1, ["generation.sleep_level=0", *PINNED_ZERO2, "generation.vllm_gpu_memory_utilization=0.84"],
-     (136.205, 136.205, 136.205, 136.205), ((-0.08, -0.07), (-0.08, -0.07), (0.02, 0.03), (0.02, 0.03))),
-    ("gpu-0.5b-layout", 1, PROBE_05B_SLEEP, (136.025, 5.755, 7.343, 7.343),
-     ((-0.02, -0.01), (-0.26, -0.25), (-0.12, -0.11), (-0.12, -0.11))),
-    ("gpu-0.5b-layout", 1, PROBE_05B_AWAKE, (124.691, 124.691, 124.691, 124.691),
-     ((-0.03, -0.02), (-0.03, -0.02), (0, 0.01), (0, 0.01))),
-    # sessions 4 and 5 (the awake 3-step pass at 0.88 ran out of memory at step 3 of 20)
-    ("gpu-0.5b-layout", 1, [*PINNED_ZERO2, "generation.vllm_gpu_memory_utilization=0.92"],
-     (137.129, 9.812, 20.215, 20.215), ((0, 0.01), (-0.01, 0.01), (0.09, 0.1), (0.09, 0.1))),
-    ("gpu-0.5b-layout", 1, ["generation.sleep_level=0", *PINNED_ZERO2, "generation.vllm_gpu_memory_utilization=0.88"],
-     (139.988, 139.988, 139.988, 139.90), ((-0.06, -0.05), (-0.06, -0.05), (0.03, 0.04), (0.03, 0.04))),
-    # sessions 2-5: the 1.5B ZeRO-3 case on 2 GPUs
-    ("gpu-1.5b-layout-zero3", 2, ["generation.vllm_gpu_memory_utilization=0.88"], (140.303, 20.535, 28.857, 28.857),
-     ((-0.01, 0), (-0.05, -0.04), (0.04, 0.05), (0.04, 0.05))),
-    # session 5, 2 GPUs at share 0.5, 4 steps: 0.5B ZeRO-3 (its training is overestimated: activations) and 1.5B ZeRO-2
-    ("gpu-0.5b-layout", 2, ["distributed.deepspeed=zero3", "distributed.zero_stage=3",
-                            "trainer.gradient_checkpointing=false", "generation.vllm_gpu_memory_utilization=0.5"],
-     (78.926, 10.158, 17.684, 17.684), ((-0.02, -0.01), (-0.05, -0.03), (0.24, 0.25), (0.24, 0.25))),
-    ("gpu-1.5b-layout-zero3", 2, ["distributed.zero_stage=2", "generation.vllm_gpu_memory_utilization=0.5"],
-     (85.994, 19.381, 30.367, 30.367), ((0.01, 0.02), (0.03, 0.04), (-0.03, -0.02), (-0.03, -0.02))),
-])
+@pytest.mark.parametrize(
+    "recipe, gpus, sets, measured, bounds",
+    [
+        # sessions 3-5 (the same figures each time)
+        (
+            "gpu-0.5b-layout",
+            1,
+            [*PINNED_ZERO2, "generation.vllm_gpu_memory_utilization=0.94"],
+            (139.941, 9.812, 20.215, 20.215),
+            ((0, 0.01), (-0.01, 0.01), (0.09, 0.1), (0.09, 0.1)),
+        ),
+        # session 2
+        (
+            "gpu-0.5b-layout",
+            1,
+            ["generation.sleep_level=0", *PINNED_ZERO2, "generation.vllm_gpu_memory_utilization=0.84"],
+            (136.205, 136.205, 136.205, 136.205),
+            ((-0.08, -0.07), (-0.08, -0.07), (0.02, 0.03), (0.02, 0.03)),
+        ),
+        (
+            "gpu-0.5b-layout",
+            1,
+            PROBE_05B_SLEEP,
+            (136.025, 5.755, 7.343, 7.343),
+            ((-0.02, -0.01), (-0.26, -0.25), (-0.12, -0.11), (-0.12, -0.11)),
+        ),
+        (
+            "gpu-0.5b-layout",
+            1,
+            PROBE_05B_AWAKE,
+            (124.691, 124.691, 124.691, 124.691),
+            ((-0.03, -0.02), (-0.03, -0.02), (0, 0.01), (0, 0.01)),
+        ),
+        # sessions 4 and 5 (the awake 3-step pass at 0.88 ran out of memory at step 3 of 20)
+        (
+            "gpu-0.5b-layout",
+            1,
+            [*PINNED_ZERO2, "generation.vllm_gpu_memory_utilization=0.92"],
+            (137.129, 9.812, 20.215, 20.215),
+            ((0, 0.01), (-0.01, 0.01), (0.09, 0.1), (0.09, 0.1)),
+        ),
+        (
+            "gpu-0.5b-layout",
+            1,
+            ["generation.sleep_level=0", *PINNED_ZERO2, "generation.vllm_gpu_memory_utilization=0.88"],
+            (139.988, 139.988, 139.988, 139.90),
+            ((-0.06, -0.05), (-0.06, -0.05), (0.03, 0.04), (0.03, 0.04)),
+        ),
+        # sessions 2-5: the 1.5B ZeRO-3 case on 2 GPUs
+        (
+            "gpu-1.5b-layout-zero3",
+            2,
+            ["generation.vllm_gpu_memory_utilization=0.88"],
+            (140.303, 20.535, 28.857, 28.857),
+            ((-0.01, 0), (-0.05, -0.04), (0.04, 0.05), (0.04, 0.05)),
+        ),
+        # session 5, 2 GPUs at share 0.5, 4 steps: 0.5B ZeRO-3 (its training is overestimated: activations) and 1.5B ZeRO-2
+        (
+            "gpu-0.5b-layout",
+            2,
+            [
+                "distributed.deepspeed=zero3",
+                "distributed.zero_stage=3",
+                "trainer.gradient_checkpointing=false",
+                "generation.vllm_gpu_memory_utilization=0.5",
+            ],
+            (78.926, 10.158, 17.684, 17.684),
+            ((-0.02, -0.01), (-0.05, -0.03), (0.24, 0.25), (0.24, 0.25)),
+        ),
+        (
+            "gpu-1.5b-layout-zero3",
+            2,
+            ["distributed.zero_stage=2", "generation.vllm_gpu_memory_utilization=0.5"],
+            (85.994, 19.381, 30.367, 30.367),
+            ((0.01, 0.02), (0.03, 0.04), (-0.03, -0.02), (-0.03, -0.02)),
+        ),
+    ],
+)
 def test_gap_to_the_probe_trials_on_the_h200(recipe, gpus, sets, measured, bounds):
     e = est(recipe, gpus, *sets, gib=140.4013671875)
     for phase, m, (low, high) in zip(E.PHASES, measured, bounds):
@@ -360,6 +522,7 @@ def test_gap_to_the_probe_trials_on_the_h200(recipe, gpus, sets, measured, bound
 
 
 # ---------------------------------------------------------------------------------------------- host memory
+
 
 def test_host_memory_of_offloaded_state_by_hand():
     # 7B, one GPU, ZeRO-3 + optimizer offload: fp32 master 4 + Adam 8 + fp32 gradients 4 = 16 B/param on the host:
@@ -369,8 +532,10 @@ def test_host_memory_of_offloaded_state_by_hand():
     assert 16 * N7 == 121_849_864_192 and e.host_gib == pytest.approx(113.48, abs=0.01)
     # 1.5B on 2 GPUs of one node, optimizer + parameter offload: each rank offloads its half, the node holds both
     e = est("gpu-1.5b-layout-zero3", 2, "distributed.offload_optimizer=true", "distributed.offload_params=true")
-    assert e.host == {"offloaded optimizer (fp32 master + Adam + fp32 gradients)": pytest.approx(16 * N15 / GIB),
-                      "offloaded parameters": pytest.approx(2 * N15 / GIB)}
+    assert e.host == {
+        "offloaded optimizer (fp32 master + Adam + fp32 gradients)": pytest.approx(16 * N15 / GIB),
+        "offloaded parameters": pytest.approx(2 * N15 / GIB),
+    }
     # trainer offload during generation (ZeRO-2, 2 ranks): each rank's 12 B/param / 2 + its 16-bit gradient shard
     e = est("gpu-1.5b-layout-zero3", 2, "distributed.zero_stage=2", "generation.offload_trainer_during_generation=true")
     assert e.host_gib == pytest.approx(2 * (12 * N15 / 2 + 2 * N15 / 2) / GIB)
@@ -388,16 +553,19 @@ def test_host_memory_line_against_this_machines_ram(monkeypatch):
     from colocate_rl.plan import host
 
     def machine(ram):  # one H200 here, with `ram` GiB of memory
-        monkeypatch.setattr(host, "detect_host", lambda: replace(host.assumed_host(1, 139.8), assumed=False,
-                                                                 ram_gib=ram))
+        monkeypatch.setattr(
+            host, "detect_host", lambda: replace(host.assumed_host(1, 139.8), assumed=False, ram_gib=ram)
+        )
 
     machine(125.0)
     result = CliRunner().invoke(C.app, ["mem-probe", "gpu-7b-layout-1gpu", "--estimate"], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     # auto knows the RAM too: no offload layout fits in 112.5 GiB, so it took the last (optimizer + params)
-    assert ("host memory per node: 127.7 GiB for offloaded optimizer (fp32 master + Adam + fp32 gradients) 113.5, "
-            "offloaded parameters 14.2 (the processes' own memory comes on top); this machine has 125 GiB of RAM: "
-            "not enough") in result.output
+    assert (
+        "host memory per node: 127.7 GiB for offloaded optimizer (fp32 master + Adam + fp32 gradients) 113.5, "
+        "offloaded parameters 14.2 (the processes' own memory comes on top); this machine has 125 GiB of RAM: "
+        "not enough"
+    ) in result.output
     assert "none fits in 125.8 GiB (and its offload in 112.5 GiB of host memory): the last" in result.output
     machine(251.0)
     roomy = CliRunner().invoke(C.app, ["mem-probe", "gpu-7b-layout-1gpu", "--estimate"], env={"COLUMNS": "250"})
@@ -406,6 +574,7 @@ def test_host_memory_line_against_this_machines_ram(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------------ CLI
 
+
 def test_cli_table_json_and_write(tmp_path):
     pin = [x for s in PINNED["gpu-0.5b-layout"] for x in ("--set", s)]
     shown = cli("mem-probe", "gpu-0.5b-layout", "--estimate", "--gpus", "1", "--gpu-memory", "80", *pin)
@@ -413,10 +582,27 @@ def test_cli_table_json_and_write(tmp_path):
     assert "vLLM KV cache (1 generation batch)" in shown.stdout and "optimizer step" in shown.stdout
     assert "recommended: generation.vllm_gpu_memory_utilization 0.09" in shown.stdout
     out = tmp_path / "tuned.yaml"
-    result = cli("mem-probe", "gpu-0.5b-layout", "--estimate", "--gpus", "1", "--gpu-memory", "80", "--json", *pin,
-                 "--write", str(out), "--set", "model.name=builtin:qwen2.5-7b", "--set",
-                 "trainer.per_device_train_batch_size=8", "--set", "trainer.max_completion_length=4096",
-                 "--set", "generation.max_model_length=4608")
+    result = cli(
+        "mem-probe",
+        "gpu-0.5b-layout",
+        "--estimate",
+        "--gpus",
+        "1",
+        "--gpu-memory",
+        "80",
+        "--json",
+        *pin,
+        "--write",
+        str(out),
+        "--set",
+        "model.name=builtin:qwen2.5-7b",
+        "--set",
+        "trainer.per_device_train_batch_size=8",
+        "--set",
+        "trainer.max_completion_length=4096",
+        "--set",
+        "generation.max_model_length=4608",
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert set(data) >= {"terms", "phases", "window", "recommendation", "kv", "model"}
@@ -426,27 +612,56 @@ def test_cli_table_json_and_write(tmp_path):
     assert data["recommendation"]["estimate"]["fits"] is True
     written = yaml.safe_load(out.read_text())
     assert written["generation"]["vllm_gpu_memory_utilization"] == 0.28
-    assert written["distributed"] == {"nproc_per_node": "auto", "zero_stage": None, "deepspeed": "zero3",
-                                      "offload_optimizer": True}
+    assert written["distributed"] == {
+        "nproc_per_node": "auto",
+        "zero_stage": None,
+        "deepspeed": "zero3",
+        "offload_optimizer": True,
+    }
     assert written["trainer"]["gradient_checkpointing"] is True and written["model"]["name"] == "builtin:qwen2.5-7b"
     assert cli("validate", str(out), "--gpus", "1").returncode == 0
-    assert_user_error(cli("mem-probe", "gpu-0.5b-layout", "--estimate", "--gpus", "1", "--gpu-memory", "80",
-                          "--write", str(out)), f"--write: {out} already exists")
+    assert_user_error(
+        cli("mem-probe", "gpu-0.5b-layout", "--estimate", "--gpus", "1", "--gpu-memory", "80", "--write", str(out)),
+        f"--write: {out} already exists",
+    )
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["gpu-0.5b-layout"], "mem-probe: no CUDA GPU on this machine; measuring runs the recipe on the GPUs — run "
-                          "`colocate-rl mem-probe RECIPE --estimate` here"),
-    (["gpu-0.5b-layout", "--estimate", "--gpus", "1"], "--gpu-memory: no GPU detected here"),
-    (["gpu-0.5b-layout", "--estimate", "--gpu-memory", "80"], "--gpus: no GPU detected here and "
-                                                               "distributed.nproc_per_node is auto"),
-    (["qwen2.5-7b-grpo", "--estimate", "--gpu-memory", "80", "--set", "model.name=org/Unknown-7B"],
-     "model.name: no layout known for 'org/Unknown-7B'"),
-    (["gpu-0.5b-layout", "--estimate", "--gpus", "1", "--gpu-memory", "80", "--set", "trainer.num_generations=3"],
-     "trainer.num_generations: the generation batch (16"),
-    (["gpu-0.5b-layout", "--estimate", "--gpus", "1", "--gpu-memory", "4", "--write", "never.yaml"],
-     "--write: no change tried makes the recipe fit; nothing written"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (
+            ["gpu-0.5b-layout"],
+            "mem-probe: no CUDA GPU on this machine; measuring runs the recipe on the GPUs — run "
+            "`colocate-rl mem-probe RECIPE --estimate` here",
+        ),
+        (["gpu-0.5b-layout", "--estimate", "--gpus", "1"], "--gpu-memory: no GPU detected here"),
+        (
+            ["gpu-0.5b-layout", "--estimate", "--gpu-memory", "80"],
+            "--gpus: no GPU detected here and distributed.nproc_per_node is auto",
+        ),
+        (
+            ["qwen2.5-7b-grpo", "--estimate", "--gpu-memory", "80", "--set", "model.name=org/Unknown-7B"],
+            "model.name: no layout known for 'org/Unknown-7B'",
+        ),
+        (
+            [
+                "gpu-0.5b-layout",
+                "--estimate",
+                "--gpus",
+                "1",
+                "--gpu-memory",
+                "80",
+                "--set",
+                "trainer.num_generations=3",
+            ],
+            "trainer.num_generations: the generation batch (16",
+        ),
+        (
+            ["gpu-0.5b-layout", "--estimate", "--gpus", "1", "--gpu-memory", "4", "--write", "never.yaml"],
+            "--write: no change tried makes the recipe fit; nothing written",
+        ),
+    ],
+)
 def test_cli_errors(args, fragment):
     result = cli("mem-probe", *args)
     assert_user_error(result, fragment)
@@ -454,6 +669,7 @@ def test_cli_errors(args, fragment):
 
 
 # ----------------------------------------------------------- kv_cache_memory, trainer offload, sleep level 1
+
 
 def test_kv_cache_memory_fixes_vllms_share_to_weights_plus_budget_plus_allowance():
     e = est("gpu-0.5b-layout", 1, "generation.kv_cache_memory=12GiB", gib=H200)
@@ -475,8 +691,13 @@ def test_kv_cache_memory_fixes_vllms_share_to_weights_plus_budget_plus_allowance
 
 def test_offload_trainer_during_generation_drops_optimizer_and_gradients_from_generation_only():
     base = est("gpu-1.5b-layout-zero3", 2, "distributed.zero_stage=2", gib=H200)
-    off = est("gpu-1.5b-layout-zero3", 2, "distributed.zero_stage=2", "generation.offload_trainer_during_generation=true",
-              gib=H200)
+    off = est(
+        "gpu-1.5b-layout-zero3",
+        2,
+        "distributed.zero_stage=2",
+        "generation.offload_trainer_during_generation=true",
+        gib=H200,
+    )
     opt = "optimizer states (fp32 master + Adam)"
     for term in (opt, "trainer gradients"):
         assert "generation" not in off.terms[term]

@@ -11,18 +11,25 @@ import sys
 from pathlib import Path
 
 import pytest
+from colocate_rl.pipeline import load_resolved, parse_node_flags
+from colocate_rl.plan.launch_plan.plan import make_plan
 from typer.testing import CliRunner
 
 from colocate_rl.cli import app
-from colocate_rl.pipeline import load_resolved, parse_node_flags
-from colocate_rl.plan.launch_plan.plan import make_plan
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 RECORD = os.environ.get("COLOCATE_RL_RECORD_GOLDEN") == "1"
 PLAN_CASES = sorted(p.stem for p in (GOLDEN / "plan").glob("*.json"))
 CLI_CASES = sorted(p.stem for p in (GOLDEN / "cli").glob("*.json"))
-RANK_ENV = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR",
-            "HF_HUB_OFFLINE", "MASTER_PORT")
+RANK_ENV = (
+    "OMP_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM",
+    "PYTHONUNBUFFERED",
+    "TORCH_EXTENSIONS_DIR",
+    "DS_ACCELERATOR",
+    "HF_HUB_OFFLINE",
+    "MASTER_PORT",
+)
 
 
 @pytest.fixture
@@ -60,18 +67,34 @@ def test_dry_run_and_run_dir_files_are_unchanged(case, clean_env):
     args = json.loads(path.read_text())["args"]
     run_dir = f"/runs/{case}"
     result = CliRunner().invoke(app, ["train", *args, "--dry-run", "--run-dir", run_dir])
-    got = {"args": args, "exit": result.exit_code,
-           "stdout": result.stdout.replace(sys.executable, "<python>").replace(str(clean_env), "<cwd>"),
-           "stderr": result.stderr.replace(sys.executable, "<python>")}
+    got = {
+        "args": args,
+        "exit": result.exit_code,
+        "stdout": result.stdout.replace(sys.executable, "<python>").replace(str(clean_env), "<cwd>"),
+        "stderr": result.stderr.replace(sys.executable, "<python>"),
+    }
     if result.exit_code == 0:
         name, opts = _options(args)
-        flags = parse_node_flags(opts.get("--nnodes"), opts.get("--node-rank"), opts.get("--rdzv-endpoint"),
-                                 opts.get("--rdzv-id"))
-        resolved, _ = load_resolved(name, {}, opts["--set"], flags=flags, env=os.environ,
-                                    gpus=int(opts["--gpus"]) if "--gpus" in opts else None,
-                                    gpu_memory=float(opts["--gpu-memory"]) if "--gpu-memory" in opts else None)
-        plan = make_plan(resolved, run_dir=Path(run_dir), python="<python>", cwd=Path("/cwd"),
-                         cache_dir=Path("/cache/colocate-rl"), base_env={})
+        flags = parse_node_flags(
+            opts.get("--nnodes"), opts.get("--node-rank"), opts.get("--rdzv-endpoint"), opts.get("--rdzv-id")
+        )
+        resolved, _ = load_resolved(
+            name,
+            {},
+            opts["--set"],
+            flags=flags,
+            env=os.environ,
+            gpus=int(opts["--gpus"]) if "--gpus" in opts else None,
+            gpu_memory=float(opts["--gpu-memory"]) if "--gpu-memory" in opts else None,
+        )
+        plan = make_plan(
+            resolved,
+            run_dir=Path(run_dir),
+            python="<python>",
+            cwd=Path("/cwd"),
+            cache_dir=Path("/cache/colocate-rl"),
+            base_env={},
+        )
         got.update(files=plan.files, env=plan.env, argv=plan.argv, builtin_model=plan.builtin_model)
     _compare(path, got)
 

@@ -40,8 +40,9 @@ STEPS = 10
 def cli(args: list[str], visible: str) -> subprocess.CompletedProcess:
     """`colocate-rl ARGS` on the GPUs in `visible`."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "colocate_rl", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=1200)
+    return subprocess.run(
+        [sys.executable, "-m", "colocate_rl", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200
+    )
 
 
 def train(name: str, recipe: str, run_dir: Path, visible: str, *sets: str) -> dict:
@@ -74,11 +75,18 @@ def train(name: str, recipe: str, run_dir: Path, visible: str, *sets: str) -> di
     return figures
 
 
-@pytest.mark.parametrize("name, recipe, visible", [
-    ("1gpu-0.5b", "recipes/gpu-0.5b-layout.yaml", "0"),
-    pytest.param("2gpu-1.5b-zero3", "recipes/gpu-1.5b-layout-zero3.yaml", "0,1",
-                 marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
-])
+@pytest.mark.parametrize(
+    "name, recipe, visible",
+    [
+        ("1gpu-0.5b", "recipes/gpu-0.5b-layout.yaml", "0"),
+        pytest.param(
+            "2gpu-1.5b-zero3",
+            "recipes/gpu-1.5b-layout-zero3.yaml",
+            "0,1",
+            marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs"),
+        ),
+    ],
+)
 def test_sleep_mode_frees_memory_at_the_optimizer_step(tmp_path, name, recipe, visible):
     off = train(f"{name}-sleep-off", recipe, tmp_path / "off", visible, "generation.sleep_level=0")
     on = train(f"{name}-sleep-on", recipe, tmp_path / "on", visible, "generation.sleep_level=2")
@@ -87,15 +95,26 @@ def test_sleep_mode_frees_memory_at_the_optimizer_step(tmp_path, name, recipe, v
 
 
 def test_rloo_one_gpu(tmp_path):
-    train("1gpu-0.5b-rloo-sleep-on", "recipes/gpu-0.5b-layout.yaml", tmp_path / "rloo", "0", "algorithm=rloo",
-          "trainer.extra_args={normalize_advantages: true}")
+    train(
+        "1gpu-0.5b-rloo-sleep-on",
+        "recipes/gpu-0.5b-layout.yaml",
+        tmp_path / "rloo",
+        "0",
+        "algorithm=rloo",
+        "trainer.extra_args={normalize_advantages: true}",
+    )
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_two_gpus_zero3_optimizer_offload(tmp_path):
     """ZeRO-3 with the optimizer states on CPU (DeepSpeed's cpu_adam), from the same recipe."""
-    offload = train("2gpu-1.5b-zero3-offload-opt-sleep-on", "recipes/gpu-1.5b-layout-zero3.yaml",
-                    tmp_path / "offload", "0,1", "distributed.offload_optimizer=true")
+    offload = train(
+        "2gpu-1.5b-zero3-offload-opt-sleep-on",
+        "recipes/gpu-1.5b-layout-zero3.yaml",
+        tmp_path / "offload",
+        "0,1",
+        "distributed.offload_optimizer=true",
+    )
     run = tmp_path / "offload"
     config = json.loads((run / "deepspeed.json").read_text())
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
@@ -111,8 +130,16 @@ PLAIN = ("distributed.deepspeed=null", "distributed.zero_stage=null")
 
 def run_cli(run_dir: Path, visible: str, recipe: str, steps: int, *sets: str) -> tuple[int, str]:
     """`colocate-rl train` → (exit code, console output + train.log)."""
-    args = ["train", recipe, "--run-dir", str(run_dir), "--set", f"trainer.max_steps={steps}",
-            "--set", "output.save_model=false"]
+    args = [
+        "train",
+        recipe,
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"trainer.max_steps={steps}",
+        "--set",
+        "output.save_model=false",
+    ]
     for item in sets:
         args += ["--set", item]
     result = cli(args, visible)
@@ -125,10 +152,18 @@ def step_records(run_dir: Path) -> list[dict]:
 
 
 def test_engine_options_reach_vllm(tmp_path):
-    code, text = run_cli(tmp_path / "opts", ONE, "recipes/gpu-0.5b-layout.yaml", 3, *PLAIN,
-                         "generation.enforce_eager=true", "generation.enable_prefix_caching=false",
-                         "generation.kv_cache_memory=4GiB", "generation.max_num_batched_tokens=8192",
-                         "generation.max_num_seqs=96")
+    code, text = run_cli(
+        tmp_path / "opts",
+        ONE,
+        "recipes/gpu-0.5b-layout.yaml",
+        3,
+        *PLAIN,
+        "generation.enforce_eager=true",
+        "generation.enable_prefix_caching=false",
+        "generation.kv_cache_memory=4GiB",
+        "generation.max_num_batched_tokens=8192",
+        "generation.max_num_seqs=96",
+    )
     assert code == 0, text[-6000:]
     built = json.loads(re.search(r"rank 0: vLLM config (\{.*\})", text).group(1))  # read back from vLLM's config
     print(json.dumps(built))
@@ -140,19 +175,34 @@ def test_engine_options_reach_vllm(tmp_path):
 @pytest.mark.parametrize("level", [1, 2])
 def test_engine_cycle_per_sleep_level(tmp_path, level):
     run = tmp_path / f"level{level}"
-    code, text = run_cli(run, ONE, "recipes/gpu-0.5b-layout.yaml", 4, *PLAIN, "generation.enforce_eager=true",
-                         f"generation.sleep_level={level}")
+    code, text = run_cli(
+        run,
+        ONE,
+        "recipes/gpu-0.5b-layout.yaml",
+        4,
+        *PLAIN,
+        "generation.enforce_eager=true",
+        f"generation.sleep_level={level}",
+    )
     assert code == 0, text[-6000:]
     steps = step_records(run)
     assert len(steps) == 4
     for record in steps:  # every step woke, pushed, checked and slept
         for phase in ("wake", "sleep", "weight_sync", "weight_check", "generate"):
             assert record.get(f"time/{phase}_s", 0) > 0, (phase, record)
-    awake, asleep = map(float, re.search(r"vLLM awake ([0-9.]+) GiB, asleep \(level \d\) ([0-9.]+) GiB",
-                                         text).groups())
-    print(json.dumps({"level": level, "vllm_awake_gib": awake, "vllm_asleep_gib": asleep,
-                      "gpu_used_gib_at_step_end": [r["mem/gpu_used_gib"] for r in steps],
-                      "wake_s": [r["time/wake_s"] for r in steps], "sleep_s": [r["time/sleep_s"] for r in steps]}))
+    awake, asleep = map(float, re.search(r"vLLM awake ([0-9.]+) GiB, asleep \(level \d\) ([0-9.]+) GiB", text).groups())
+    print(
+        json.dumps(
+            {
+                "level": level,
+                "vllm_awake_gib": awake,
+                "vllm_asleep_gib": asleep,
+                "gpu_used_gib_at_step_end": [r["mem/gpu_used_gib"] for r in steps],
+                "wake_s": [r["time/wake_s"] for r in steps],
+                "sleep_s": [r["time/sleep_s"] for r in steps],
+            }
+        )
+    )
     assert asleep < 0.1 * awake
 
 
@@ -181,9 +231,17 @@ def reward(completions, **kwargs):  # random: non-zero advantages, so the traine
 def test_stale_weights_stop_the_run(tmp_path):
     reward = tmp_path / "stale_reward.py"
     reward.write_text(STALE_REWARD)
-    code, text = run_cli(tmp_path / "stale", ONE, "recipes/gpu-0.5b-layout.yaml", 4, *PLAIN,
-                         "generation.enforce_eager=true", "generation.sleep_level=1", "trainer.learning_rate=1e-3",
-                         f"rewards=[{{name: '{reward}:reward'}}]")
+    code, text = run_cli(
+        tmp_path / "stale",
+        ONE,
+        "recipes/gpu-0.5b-layout.yaml",
+        4,
+        *PLAIN,
+        "generation.enforce_eager=true",
+        "generation.sleep_level=1",
+        "trainer.learning_rate=1e-3",
+        f"rewards=[{{name: '{reward}:reward'}}]",
+    )
     assert code != 0
     assert "vLLM is not generating from the trainer's current weights" in text, text[-6000:]
     assert "model.layers.23.mlp.down_proj.weight differs" in text
@@ -193,16 +251,35 @@ def test_trainer_offload_lets_a_larger_kv_cache_fit(tmp_path):
     """1.5B layout, ZeRO-2 on one GPU. During generation the trainer holds ~24 GiB without offload (bf16 weights
     2.9, fp32 master 5.7, Adam 11.5, gradients 2.9, context) and ~4.5 GiB with it; vLLM needs its weights (2.9),
     ~2 GiB of buffers and the KV cache. A 120 GiB KV budget fits the 139.8 GiB H200 only with the offload."""
-    sets = ("distributed.deepspeed=zero3", "distributed.zero_stage=2", "generation.enforce_eager=true",
-            "generation.kv_cache_memory=120GiB", "trainer.per_device_train_batch_size=8")
+    sets = (
+        "distributed.deepspeed=zero3",
+        "distributed.zero_stage=2",
+        "generation.enforce_eager=true",
+        "generation.kv_cache_memory=120GiB",
+        "trainer.per_device_train_batch_size=8",
+    )
     code_off, text_off = run_cli(tmp_path / "no-offload", ONE, "recipes/gpu-1.5b-layout-zero3.yaml", 4, *sets)
-    code_on, text_on = run_cli(tmp_path / "offload", ONE, "recipes/gpu-1.5b-layout-zero3.yaml", 4, *sets,
-                               "generation.offload_trainer_during_generation=true")
+    code_on, text_on = run_cli(
+        tmp_path / "offload",
+        ONE,
+        "recipes/gpu-1.5b-layout-zero3.yaml",
+        4,
+        *sets,
+        "generation.offload_trainer_during_generation=true",
+    )
     steps = step_records(tmp_path / "offload")
-    print(json.dumps({"without_offload_exit": code_off, "without_offload_steps": len(step_records(tmp_path / "no-offload")),
-                      "with_offload_exit": code_on, "offload_s": [r.get("time/offload_s") for r in steps],
-                      "reload_s": [r.get("time/reload_s") for r in steps],
-                      "gpu_peak_gib": [r.get("mem/gpu_peak_gib") for r in steps]}))
+    print(
+        json.dumps(
+            {
+                "without_offload_exit": code_off,
+                "without_offload_steps": len(step_records(tmp_path / "no-offload")),
+                "with_offload_exit": code_on,
+                "offload_s": [r.get("time/offload_s") for r in steps],
+                "reload_s": [r.get("time/reload_s") for r in steps],
+                "gpu_peak_gib": [r.get("mem/gpu_peak_gib") for r in steps],
+            }
+        )
+    )
     assert code_on == 0, text_on[-6000:]
     assert code_off != 0 and "out of memory" in text_off.lower(), text_off[-6000:]
     assert all(r.get("time/offload_s", 0) > 0 and r.get("time/reload_s", 0) > 0 for r in steps[1:])
@@ -212,8 +289,15 @@ def test_trainer_offload_lets_a_larger_kv_cache_fit(tmp_path):
 def test_zero3_bucketed_sync_delivers_the_trainer_weights(tmp_path):
     """Small buckets (64 MiB: many coalesced gathers per sync) and the weight check on every step."""
     run = tmp_path / "z3"
-    code, text = run_cli(run, "0,1", "recipes/gpu-1.5b-layout-zero3.yaml", 4, "generation.enforce_eager=true",
-                         "generation.weight_sync_bucket_mb=64", "trainer.learning_rate=1e-4")
+    code, text = run_cli(
+        run,
+        "0,1",
+        "recipes/gpu-1.5b-layout-zero3.yaml",
+        4,
+        "generation.enforce_eager=true",
+        "generation.weight_sync_bucket_mb=64",
+        "trainer.learning_rate=1e-4",
+    )
     assert code == 0, text[-6000:]
     assert all(r.get("time/weight_check_s", 0) > 0 for r in step_records(run))
 
@@ -223,8 +307,22 @@ def test_mem_probe_measures_with_the_recipes_layout(tmp_path):
     trains with the ZeRO-2 layout auto picks at the recipe's share (not the offload layout auto would pick at a
     large share), and the measured generation peak is within 10 % of the estimate."""
     probe_dir = tmp_path / "probe"
-    result = cli(["mem-probe", "recipes/gpu-0.5b-layout.yaml", "--json", "--probe-dir", str(probe_dir), "--steps",
-                  "2", "--resolution", "0.1", "--set", "generation.enforce_eager=true"], ONE)
+    result = cli(
+        [
+            "mem-probe",
+            "recipes/gpu-0.5b-layout.yaml",
+            "--json",
+            "--probe-dir",
+            str(probe_dir),
+            "--steps",
+            "2",
+            "--resolution",
+            "0.1",
+            "--set",
+            "generation.enforce_eager=true",
+        ],
+        ONE,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     data = json.loads(result.stdout.strip().splitlines()[-1])
     print(json.dumps({k: data[k] for k in ("largest_passing", "recommended", "phases", "layout_check", "pinned_sets")}))

@@ -18,8 +18,12 @@ RECIPE = dump_recipe(parse_recipe({"rewards": [{"name": "digit_share"}]}))
 
 def plan_running(tmp_path: Path, code: str) -> LaunchPlan:
     """A plan whose 'torchrun' is a small Python program (stands in for the ranks)."""
-    return LaunchPlan(run_dir=tmp_path / "run", argv=[sys.executable, "-c", code], env={"RUN_MARK": "x"},
-                      files={"recipe.yaml": RECIPE, "launch.sh": "#!/bin/sh\n"})
+    return LaunchPlan(
+        run_dir=tmp_path / "run",
+        argv=[sys.executable, "-c", code],
+        env={"RUN_MARK": "x"},
+        files={"recipe.yaml": RECIPE, "launch.sh": "#!/bin/sh\n"},
+    )
 
 
 def test_exit_code_is_propagated_and_files_written(tmp_path):
@@ -43,8 +47,10 @@ def test_crash_at_exit_after_done_counts_as_success(tmp_path):
 
 def test_metrics_drive_step_lines_and_summary(tmp_path):
     run_dir = tmp_path / "run"
-    records = [{"step": i, "max_steps": 3, "wall_s": i * 0.5, "reward": r, "loss": 0.1}
-               for i, r in [(1, 0.1), (2, 0.2), (3, 0.4)]]
+    records = [
+        {"step": i, "max_steps": 3, "wall_s": i * 0.5, "reward": r, "loss": 0.1}
+        for i, r in [(1, 0.1), (2, 0.2), (3, 0.4)]
+    ]
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     code = f"import shutil; shutil.copy({str(tmp_path / 'records.jsonl')!r}, {str(run_dir / 'metrics.jsonl')!r})"
     console = Console(record=True, width=200)

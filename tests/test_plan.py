@@ -7,8 +7,8 @@ import yaml
 
 from colocate_rl.plan.host import Gpu, Host
 from colocate_rl.plan.launch_plan import make_plan
-from colocate_rl.recipe.schema import parse_recipe
 from colocate_rl.plan.resolve import resolve
+from colocate_rl.recipe.schema import parse_recipe
 
 CPU = Host(gpus=(), has_vllm=False, cpu_count=2)
 GPU8 = Host(gpus=(Gpu("H200", 140.0),) * 8, has_vllm=True, cpu_count=128)
@@ -18,15 +18,25 @@ CACHE = Path("/cache/colocate-rl")
 
 def plan_for(data, host=CPU, base_env=None):
     resolved = resolve(parse_recipe({"rewards": [{"name": "digit_share"}], **data}), host)
-    return make_plan(resolved, run_dir=RUN, python="/venv/bin/python", cwd=Path("/work"), cache_dir=CACHE,
-                     base_env=base_env or {})
+    return make_plan(
+        resolved, run_dir=RUN, python="/venv/bin/python", cwd=Path("/work"), cache_dir=CACHE, base_env=base_env or {}
+    )
 
 
 def test_single_node_cpu_plan():
     plan = plan_for({"distributed": {"deepspeed": "zero3"}})
     assert plan.argv == [
-        "/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-        "--standalone", "-m", "colocate_rl.worker", "/runs/r1",
+        "/venv/bin/python",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        "-m",
+        "colocate_rl.worker",
+        "/runs/r1",
     ]
     assert plan.env == {
         "OMP_NUM_THREADS": "1",
@@ -37,8 +47,13 @@ def test_single_node_cpu_plan():
         "HF_HUB_OFFLINE": "1",
     }
     assert sorted(plan.files) == ["deepspeed.json", "launch.json", "launch.sh", "recipe.yaml"]
-    assert plan.builtin_model == {"layout": "tiny", "out_dir": "/cache/colocate-rl/builtin-models/tiny-seed42-float32", "seed": 42,
-                                  "dtype": "float32", "link": "/runs/r1/model"}
+    assert plan.builtin_model == {
+        "layout": "tiny",
+        "out_dir": "/cache/colocate-rl/builtin-models/tiny-seed42-float32",
+        "seed": 42,
+        "dtype": "float32",
+        "link": "/runs/r1/model",
+    }
     launch = json.loads(plan.files["launch.json"])
     assert launch["model_path"] == "/runs/r1/model" and launch["world_size"] == 2
     args = launch["trl_args"]
@@ -57,33 +72,79 @@ def test_user_env_wins_and_plan_has_no_side_effects():
 
 
 def test_multi_node_c10d_plan():
-    plan = plan_for({"distributed": {"nnodes": 2, "node_rank": 1, "rdzv_endpoint": "node0:29500",
-                                     "rdzv_id": "job42"}}, host=GPU8)
+    plan = plan_for(
+        {"distributed": {"nnodes": 2, "node_rank": 1, "rdzv_endpoint": "node0:29500", "rdzv_id": "job42"}}, host=GPU8
+    )
     assert plan.argv == [
-        "/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8",
-        "--node-rank", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "job42",
-        "--log-dir", "/runs/r1/nodes/1/ranks", "--tee", "3", "-m", "colocate_rl.worker", "/runs/r1",
+        "/venv/bin/python",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "8",
+        "--node-rank",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "node0:29500",
+        "--rdzv-id",
+        "job42",
+        "--log-dir",
+        "/runs/r1/nodes/1/ranks",
+        "--tee",
+        "3",
+        "-m",
+        "colocate_rl.worker",
+        "/runs/r1",
     ]
     assert plan.env["OMP_NUM_THREADS"] == "16" and "DS_ACCELERATOR" not in plan.env
     assert json.loads(plan.files["launch.json"])["world_size"] == 16
 
 
 def test_multi_node_static_plan():
-    plan = plan_for({"distributed": {"nnodes": 2, "node_rank": 0, "rdzv_backend": "static",
-                                     "rdzv_endpoint": "10.0.0.1:29400"}}, host=GPU8)
-    assert plan.argv[3:-7] == ["--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "0",
-                               "--master-addr", "10.0.0.1", "--master-port", "29400"]
+    plan = plan_for(
+        {"distributed": {"nnodes": 2, "node_rank": 0, "rdzv_backend": "static", "rdzv_endpoint": "10.0.0.1:29400"}},
+        host=GPU8,
+    )
+    assert plan.argv[3:-7] == [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "8",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "10.0.0.1",
+        "--master-port",
+        "29400",
+    ]
     assert plan.argv[-7:-3] == ["--log-dir", "/runs/r1/nodes/0/ranks", "--tee", "3"]
 
 
 def test_gpu_plan_turns_on_colocated_vllm():
-    plan = plan_for({"generation": {"vllm_gpu_memory_utilization": 0.4, "tensor_parallel_size": 2,
-                                    "sleep_level": 2, "max_model_length": 1024}}, host=GPU8)
+    plan = plan_for(
+        {
+            "generation": {
+                "vllm_gpu_memory_utilization": 0.4,
+                "tensor_parallel_size": 2,
+                "sleep_level": 2,
+                "max_model_length": 1024,
+            }
+        },
+        host=GPU8,
+    )
     args = json.loads(plan.files["launch.json"])["trl_args"]
     assert {k: args[k] for k in args if k.startswith("vllm") or k in ("use_vllm", "bf16", "use_cpu")} == {
-        "use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.4,
-        "vllm_tensor_parallel_size": 2, "vllm_enable_sleep_mode": True, "vllm_max_model_length": 1024,
-        "bf16": True, "use_cpu": False,
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "vllm_gpu_memory_utilization": 0.4,
+        "vllm_tensor_parallel_size": 2,
+        "vllm_enable_sleep_mode": True,
+        "vllm_max_model_length": 1024,
+        "bf16": True,
+        "use_cpu": False,
     }
 
 
@@ -128,5 +189,8 @@ def test_trl_args_build_the_config_without_deprecation_warnings():
     assert config_args(Older, kept) == kept
     renamed = config_args(GRPOConfig, kept)
     if "activation_checkpointing" in {f.name for f in dataclasses.fields(GRPOConfig)}:
-        assert renamed == {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": False},
-                           "seed": 1}
+        assert renamed == {
+            "activation_checkpointing": True,
+            "activation_checkpointing_kwargs": {"use_reentrant": False},
+            "seed": 1,
+        }

@@ -11,15 +11,16 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import assert_user_error
 
 from colocate_rl.memory import probe as P
-from conftest import assert_user_error
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def fake(threshold: float, too_low_below: float = 0.0, unknown_at: float | None = None, log: list | None = None):
     """A trial function: shares ≤ threshold complete, larger ones OOM, those below `too_low_below` lack KV cache."""
+
     def trial(util: float) -> P.TrialResult:
         if log is not None:
             log.append(util)
@@ -28,25 +29,30 @@ def fake(threshold: float, too_low_below: float = 0.0, unknown_at: float | None 
         if util < too_low_below:
             return P.TrialResult(util, P.KV_TOO_SMALL)
         return P.TrialResult(util, P.OK if util <= threshold + 1e-9 else P.OOM, steps=3)
+
     return trial
 
 
 # ------------------------------------------------------------------------------------------------ bisection
 
-@pytest.mark.parametrize("threshold, lower, upper, start, visited, largest, recommended", [
-    # the estimate's recommendation passes, then halves towards the top of the window
-    (0.47, 0.021, 0.97, 0.08, [0.08, 0.53, 0.31, 0.42, 0.48, 0.45, 0.47], 0.47, 0.45),
-    # the first trial is too high: 2, 4, 8 grid steps below it, then bisect
-    (0.20, 0.05, 0.90, 0.60, [0.6, 0.58, 0.56, 0.52, 0.28, 0.16, 0.22, 0.19, 0.21, 0.2], 0.2, 0.18),
-    # the estimate's largest share is a little too high: found in a few trials
-    (0.85, 0.02, 0.91, 0.91, [0.91, 0.89, 0.87, 0.83, 0.85, 0.86], 0.85, 0.83),
-    # the top of the window completes: done after one more trial
-    (0.99, 0.10, 0.30, 0.20, [0.2, 0.26, 0.29, 0.3], 0.3, 0.28),
-    # margin never goes below the smallest share that passed
-    (0.11, 0.10, 0.30, 0.10, [0.1, 0.21, 0.16, 0.13, 0.12, 0.11], 0.11, 0.1),
-    # no start: the middle of the window first (a share of 0 is never tried)
-    (0.50, 0.00, 1.00, None, [0.51, 0.26, 0.39, 0.45, 0.48, 0.5], 0.5, 0.48),
-])
+
+@pytest.mark.parametrize(
+    "threshold, lower, upper, start, visited, largest, recommended",
+    [
+        # the estimate's recommendation passes, then halves towards the top of the window
+        (0.47, 0.021, 0.97, 0.08, [0.08, 0.53, 0.31, 0.42, 0.48, 0.45, 0.47], 0.47, 0.45),
+        # the first trial is too high: 2, 4, 8 grid steps below it, then bisect
+        (0.20, 0.05, 0.90, 0.60, [0.6, 0.58, 0.56, 0.52, 0.28, 0.16, 0.22, 0.19, 0.21, 0.2], 0.2, 0.18),
+        # the estimate's largest share is a little too high: found in a few trials
+        (0.85, 0.02, 0.91, 0.91, [0.91, 0.89, 0.87, 0.83, 0.85, 0.86], 0.85, 0.83),
+        # the top of the window completes: done after one more trial
+        (0.99, 0.10, 0.30, 0.20, [0.2, 0.26, 0.29, 0.3], 0.3, 0.28),
+        # margin never goes below the smallest share that passed
+        (0.11, 0.10, 0.30, 0.10, [0.1, 0.21, 0.16, 0.13, 0.12, 0.11], 0.11, 0.1),
+        # no start: the middle of the window first (a share of 0 is never tried)
+        (0.50, 0.00, 1.00, None, [0.51, 0.26, 0.39, 0.45, 0.48, 0.5], 0.5, 0.48),
+    ],
+)
 def test_bisection_finds_the_largest_passing_share(threshold, lower, upper, start, visited, largest, recommended):
     log = []
     result = P.bisect(fake(threshold, log=log), lower, upper, 0.01, start=start, margin=0.02)
@@ -89,7 +95,10 @@ def test_an_unknown_failure_aborts_the_probe():
     with pytest.raises(P.ProbeAborted) as info:
         P.bisect(fake(0.5, unknown_at=0.53), 0.02, 0.97, 0.01, start=0.08)
     assert info.value.trial.util == 0.53 and [t.util for t in info.value.trials] == [0.08, 0.53]
-    timeout = lambda u: P.TrialResult(u, P.TIMEOUT)  # noqa: E731
+
+    def timeout(u):
+        return P.TrialResult(u, P.TIMEOUT)
+
     with pytest.raises(P.ProbeAborted):
         P.bisect(timeout, 0.1, 0.5, 0.01)
 
@@ -101,27 +110,55 @@ def test_an_empty_window_is_an_error():
 
 # ----------------------------------------------------------------------------------------- classification
 
-@pytest.mark.parametrize("log, outcome, line", [
-    ("[rank0]: ValueError: Free memory on device cuda:0 (38.2/139.8 GiB) on startup is less than desired GPU memory "
-     "utilization (0.9, 125.8 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
-     P.START_REFUSED, "[rank0]: ValueError: Free memory on device cuda:0"),
-    ("INFO loading\n[rank0]: ValueError: No available memory for the cache blocks. Try increasing "
-     "`gpu_memory_utilization` when initializing the engine.\nexit", P.KV_TOO_SMALL, "[rank0]: ValueError: No avail"),
-    ("ValueError: To serve at least one request with the models's max seq len (32768), (0.38 GiB KV cache is needed, "
-     "which is larger than the available KV cache memory (0.12 GiB). Based on the available memory, the estimated "
-     "maximum model length is 9984.", P.KV_TOO_SMALL, "ValueError: To serve"),
-    ("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.32 GiB. GPU 1 has a total capacity",
-     P.OOM, "[rank1]: torch.OutOfMemoryError"),
-    ("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported", P.OOM,
-     "RuntimeError: CUDA error: out of memory"),
-    # vLLM's sleep-mode allocator waking up on a full GPU (H200, 1.5B ZeRO-3 at share 0.9)
-    ("[rank0]: RuntimeError: CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163", P.OOM,
-     "[rank0]: RuntimeError: CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163"),
-    ("ModuleNotFoundError: No module named 'flash_attn'", P.FAILED, ""),
-    # the earliest failure is the cause: an OOM that follows a KV failure on another rank does not count
-    ("[rank0]: ValueError: No available memory for the cache blocks.\n[rank1]: torch.OutOfMemoryError: CUDA out of "
-     "memory.", P.KV_TOO_SMALL, "[rank0]: ValueError: No available memory for the cache blocks."),
-])
+
+@pytest.mark.parametrize(
+    "log, outcome, line",
+    [
+        (
+            "[rank0]: ValueError: Free memory on device cuda:0 (38.2/139.8 GiB) on startup is less than desired GPU memory "
+            "utilization (0.9, 125.8 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+            P.START_REFUSED,
+            "[rank0]: ValueError: Free memory on device cuda:0",
+        ),
+        (
+            "INFO loading\n[rank0]: ValueError: No available memory for the cache blocks. Try increasing "
+            "`gpu_memory_utilization` when initializing the engine.\nexit",
+            P.KV_TOO_SMALL,
+            "[rank0]: ValueError: No avail",
+        ),
+        (
+            "ValueError: To serve at least one request with the models's max seq len (32768), (0.38 GiB KV cache is needed, "
+            "which is larger than the available KV cache memory (0.12 GiB). Based on the available memory, the estimated "
+            "maximum model length is 9984.",
+            P.KV_TOO_SMALL,
+            "ValueError: To serve",
+        ),
+        (
+            "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.32 GiB. GPU 1 has a total capacity",
+            P.OOM,
+            "[rank1]: torch.OutOfMemoryError",
+        ),
+        (
+            "RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
+            P.OOM,
+            "RuntimeError: CUDA error: out of memory",
+        ),
+        # vLLM's sleep-mode allocator waking up on a full GPU (H200, 1.5B ZeRO-3 at share 0.9)
+        (
+            "[rank0]: RuntimeError: CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163",
+            P.OOM,
+            "[rank0]: RuntimeError: CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163",
+        ),
+        ("ModuleNotFoundError: No module named 'flash_attn'", P.FAILED, ""),
+        # the earliest failure is the cause: an OOM that follows a KV failure on another rank does not count
+        (
+            "[rank0]: ValueError: No available memory for the cache blocks.\n[rank1]: torch.OutOfMemoryError: CUDA out of "
+            "memory.",
+            P.KV_TOO_SMALL,
+            "[rank0]: ValueError: No available memory for the cache blocks.",
+        ),
+    ],
+)
 def test_failures_are_classified_from_the_log(log, outcome, line):
     got, got_line = P.classify_failure(log)
     assert got == outcome and got_line.startswith(line)
@@ -129,6 +166,7 @@ def test_failures_are_classified_from_the_log(log, outcome, line):
 
 
 # ---------------------------------------------------------------------------------------------- phase peaks
+
 
 def write_timeline(path: Path, rank: int, steps: list[list[tuple]]):
     """A timeline file: each step is a list of (phase, edge, mem) edges or ('sample', mem) samples."""
@@ -149,19 +187,40 @@ def write_timeline(path: Path, rank: int, steps: list[list[tuple]]):
 def step(gen: float, sync: float, train: float, opt: float, kv_wake: float = 0.0, sleep_residue: float = 6.0):
     """One sleep-mode step as TRL's colocated engine nests it: train > prepare > generate > (weight_sync > wake),
     wake (KV), generation, sleep; then backward and the optimizer (DeepSpeed: inside train)."""
-    return [("train", "start", 6.0), ("prepare", "start", 6.0), ("generate", "start", 6.0),
-            ("weight_sync", "start", 6.0), ("wake", "start", 6.0), ("sample", 6.5), ("wake", "end", 7.0),
-            ("sample", sync), ("weight_sync", "end", 7.0), ("wake", "start", 7.0), ("wake", "end", kv_wake or gen - 1),
-            ("sample", gen), ("sample", gen - 0.5), ("sleep", "start", gen - 0.5), ("sample", 60.0),
-            ("sleep", "end", sleep_residue), ("generate", "end", sleep_residue), ("reward", "start", 6.0),
-            ("reward", "end", 6.0), ("prepare", "end", 6.0), ("sample", train), ("optimizer", "start", 9.0),
-            ("sample", opt), ("optimizer", "end", 8.0), ("train", "end", 8.0)]
+    return [
+        ("train", "start", 6.0),
+        ("prepare", "start", 6.0),
+        ("generate", "start", 6.0),
+        ("weight_sync", "start", 6.0),
+        ("wake", "start", 6.0),
+        ("sample", 6.5),
+        ("wake", "end", 7.0),
+        ("sample", sync),
+        ("weight_sync", "end", 7.0),
+        ("wake", "start", 7.0),
+        ("wake", "end", kv_wake or gen - 1),
+        ("sample", gen),
+        ("sample", gen - 0.5),
+        ("sleep", "start", gen - 0.5),
+        ("sample", 60.0),
+        ("sleep", "end", sleep_residue),
+        ("generate", "end", sleep_residue),
+        ("reward", "start", 6.0),
+        ("reward", "end", 6.0),
+        ("prepare", "end", 6.0),
+        ("sample", train),
+        ("optimizer", "start", 9.0),
+        ("sample", opt),
+        ("optimizer", "end", 8.0),
+        ("train", "end", 8.0),
+    ]
 
 
 def test_phase_peaks_from_a_timeline(tmp_path):
     first = step(gen=90.0, sync=50.0, train=70.0, opt=60.0)  # warm-up: left out
-    write_timeline(tmp_path / "timeline" / "rank0.jsonl", 0, [first, step(40.0, 9.5, 12.0, 10.5),
-                                                              step(41.0, 9.0, 12.5, 10.0)])
+    write_timeline(
+        tmp_path / "timeline" / "rank0.jsonl", 0, [first, step(40.0, 9.5, 12.0, 10.5), step(41.0, 9.0, 12.5, 10.0)]
+    )
     write_timeline(tmp_path / "timeline" / "rank1.jsonl", 1, [first, step(39.0, 9.8, 11.0, 11.0)])
     mapped, raw = P.phase_peaks(tmp_path)
     # the 60 GiB sample inside `sleep` (nested in generate) is not generation's, nor the first step's 90 GiB
@@ -175,11 +234,20 @@ def test_phase_peaks_from_a_timeline(tmp_path):
 def test_a_phase_start_edge_belongs_to_the_phase_before(tmp_path):
     """H200, 1.5B ZeRO-3: the weight sync begins with backward's cached blocks still held (28.9 GiB by the driver),
     empties the cache, then wakes vLLM; its peak is what it holds itself."""
-    lines = [{"phase": "train", "edge": "start", "mem": 11.6}, {"mem": 28.9}, {"phase": "optimizer", "edge": "start",
-             "mem": 28.9}, {"phase": "optimizer", "edge": "end", "mem": 28.9}, {"phase": "train", "edge": "end",
-             "mem": 28.9}, {"step_end": 1, "mem": 28.9}, {"phase": "weight_sync", "edge": "start", "mem": 28.9},
-             {"phase": "wake", "edge": "start", "mem": 11.6}, {"phase": "wake", "edge": "end", "mem": 14.5},
-             {"mem": 15.7}, {"phase": "weight_sync", "edge": "end", "mem": 14.7}, {"step_end": 2, "mem": 14.7}]
+    lines = [
+        {"phase": "train", "edge": "start", "mem": 11.6},
+        {"mem": 28.9},
+        {"phase": "optimizer", "edge": "start", "mem": 28.9},
+        {"phase": "optimizer", "edge": "end", "mem": 28.9},
+        {"phase": "train", "edge": "end", "mem": 28.9},
+        {"step_end": 1, "mem": 28.9},
+        {"phase": "weight_sync", "edge": "start", "mem": 28.9},
+        {"phase": "wake", "edge": "start", "mem": 11.6},
+        {"phase": "wake", "edge": "end", "mem": 14.5},
+        {"mem": 15.7},
+        {"phase": "weight_sync", "edge": "end", "mem": 14.7},
+        {"step_end": 2, "mem": 14.7},
+    ]
     path = tmp_path / "timeline" / "rank0.jsonl"
     path.parent.mkdir(parents=True)
     path.write_text("".join(json.dumps(x) + "\n" for x in [{"rank": 0}, *lines]))
@@ -192,18 +260,38 @@ def test_the_weight_sync_peak_starts_at_the_wake_of_the_weights(tmp_path):
     """H200, 0.5B ZeRO-3 on 2 GPUs (rank 1, step 3): the poller read 16.47 GiB 7 ms into the sync, while it emptied
     the cache the optimizer step left; at the wake 8.69, the sync's own peak 10.16. Without a wake (weights awake,
     nothing emptied) every reading after the start edge counts."""
+
     def timeline(name, sync):
         path = tmp_path / name / "timeline" / "rank1.jsonl"
         path.parent.mkdir(parents=True)
-        lines = [{"rank": 1}, {"phase": "optimizer", "edge": "start", "mem": 16.57},
-                 {"phase": "optimizer", "edge": "end", "mem": 17.68}, {"step_end": 2, "mem": 17.68}, *sync]
+        lines = [
+            {"rank": 1},
+            {"phase": "optimizer", "edge": "start", "mem": 16.57},
+            {"phase": "optimizer", "edge": "end", "mem": 17.68},
+            {"step_end": 2, "mem": 17.68},
+            *sync,
+        ]
         path.write_text("".join(json.dumps(x) + "\n" for x in lines))
         return P.phase_peaks(tmp_path / name, skip_first=False)[0]["weight sync"]
 
-    start, end = {"phase": "weight_sync", "edge": "start", "mem": 17.684}, {"phase": "weight_sync", "edge": "end",
-                                                                             "mem": 10.158}
-    assert timeline("asleep", [start, {"mem": 16.471}, {"phase": "wake", "edge": "start", "mem": 8.689},
-                               {"phase": "wake", "edge": "end", "mem": 9.685}, {"mem": 10.158}, end]) == 10.158
+    start, end = (
+        {"phase": "weight_sync", "edge": "start", "mem": 17.684},
+        {"phase": "weight_sync", "edge": "end", "mem": 10.158},
+    )
+    assert (
+        timeline(
+            "asleep",
+            [
+                start,
+                {"mem": 16.471},
+                {"phase": "wake", "edge": "start", "mem": 8.689},
+                {"phase": "wake", "edge": "end", "mem": 9.685},
+                {"mem": 10.158},
+                end,
+            ],
+        )
+        == 10.158
+    )
     assert timeline("awake", [start, {"mem": 16.471}, {"mem": 10.158}, end]) == 16.471
 
 
@@ -214,37 +302,54 @@ def test_phase_peaks_of_a_single_step_or_a_crash(tmp_path):
     crash = tmp_path / "crash"  # OOM in generation of step 2: the phase never ended, the last line is cut off
     write_timeline(crash / "timeline" / "rank0.jsonl", 0, [step(30.0, 9.0, 12.0, 10.0)])
     with (crash / "timeline" / "rank0.jsonl").open("a") as f:
-        for line in ({"phase": "train", "edge": "start", "mem": 6.0, "t": 9}, {"phase": "generate", "edge": "start",
-                     "mem": 6.0, "t": 9.1}, {"mem": 77.0, "t": 9.2}):
+        for line in (
+            {"phase": "train", "edge": "start", "mem": 6.0, "t": 9},
+            {"phase": "generate", "edge": "start", "mem": 6.0, "t": 9.1},
+            {"mem": 77.0, "t": 9.2},
+        ):
             f.write(json.dumps(line) + "\n")
         f.write('{"mem": 78')
     assert P.phase_peaks(crash)[0]["generation"] == 77.0
 
 
 def test_comparison_rows():
-    rows = P.comparison({"generation": 39.3, "weight sync": 6.3, "training": 14.0, "optimizer step": 6.3},
-                        {"generation": 41.5, "training": 14.6, "optimizer step": 6.3})
+    rows = P.comparison(
+        {"generation": 39.3, "weight sync": 6.3, "training": 14.0, "optimizer step": 6.3},
+        {"generation": 41.5, "training": 14.6, "optimizer step": 6.3},
+    )
     assert rows[0] == {"phase": "generation", "estimate_gib": 39.3, "measured_gib": 41.5, "error_pct": -5.3}
     assert rows[1]["measured_gib"] is None and rows[1]["error_pct"] is None and rows[3]["error_pct"] == 0.0
 
 
 # --------------------------------------------------------------------------------------------- trial runner
 
+
 def test_trial_command_puts_the_probes_settings_after_the_users(tmp_path):
-    argv = P.trial_command("r.yaml", 0.35, tmp_path / "t", 3, ["generation.enforce_eager=true",
-                                                               "generation.vllm_gpu_memory_utilization=0.9"])
+    argv = P.trial_command(
+        "r.yaml",
+        0.35,
+        tmp_path / "t",
+        3,
+        ["generation.enforce_eager=true", "generation.vllm_gpu_memory_utilization=0.9"],
+    )
     sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
     assert argv[1:6] == ["-m", "colocate_rl", "train", "r.yaml", "--run-dir"]
-    assert sets == ["generation.enforce_eager=true", "generation.vllm_gpu_memory_utilization=0.9",
-                    "generation.vllm_gpu_memory_utilization=0.35", "trainer.max_steps=3", *P.TRIAL_SETS]
+    assert sets == [
+        "generation.enforce_eager=true",
+        "generation.vllm_gpu_memory_utilization=0.9",
+        "generation.vllm_gpu_memory_utilization=0.35",
+        "trainer.max_steps=3",
+        *P.TRIAL_SETS,
+    ]
 
 
 def test_a_trial_past_its_timeout_is_ended_with_every_process_it_started(tmp_path):
     # a stand-in for `python -m colocate_rl train`: starts a grandchild in its own session (as train starts
     # torchrun), records its pid, and never finishes
     fake_python = tmp_path / "python"
-    fake_python.write_text("#!/bin/sh\nsetsid sleep 300 &\necho $! > " + str(tmp_path / "child.pid")
-                           + "\necho 'starting'\nsleep 300\n")
+    fake_python.write_text(
+        "#!/bin/sh\nsetsid sleep 300 &\necho $! > " + str(tmp_path / "child.pid") + "\necho 'starting'\nsleep 300\n"
+    )
     fake_python.chmod(0o755)
     begin = time.monotonic()
     result = P.run_trial("recipe.yaml", 0.3, tmp_path / "trial-1-util0.3", 3, timeout_s=2, python=str(fake_python))
@@ -257,8 +362,9 @@ def test_a_trial_past_its_timeout_is_ended_with_every_process_it_started(tmp_pat
 
 def test_a_failing_trial_is_classified_from_its_output(tmp_path):
     fake_python = tmp_path / "python"
-    fake_python.write_text("#!/bin/sh\necho '[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate'"
-                           "\nexit 1\n")
+    fake_python.write_text(
+        "#!/bin/sh\necho '[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate'\nexit 1\n"
+    )
     fake_python.chmod(0o755)
     result = P.run_trial("recipe.yaml", 0.8, tmp_path / "t", 3, timeout_s=30, python=str(fake_python))
     assert result.outcome == P.OOM and result.detail.startswith("[rank0]: torch.OutOfMemoryError")
@@ -269,9 +375,10 @@ def test_a_failing_trial_is_classified_from_its_output(tmp_path):
 def test_one_real_trial_of_the_quickstart_on_cpu(tmp_path):
     """The runner end to end: real `colocate-rl train` (builtin:tiny, 2 ranks, ZeRO-3, transformers generation on
     CPU; the share is unused there), real metrics and timelines."""
-    result = P.run_trial(ROOT / "recipes" / "quickstart.yaml", 0.5, tmp_path / "probe" / P.trial_name(1, 0.5), 2,
-                         timeout_s=600, cwd=ROOT)
-    log = (tmp_path / "probe" / "trial-1-util0.5" / "train.log")
+    result = P.run_trial(
+        ROOT / "recipes" / "quickstart.yaml", 0.5, tmp_path / "probe" / P.trial_name(1, 0.5), 2, timeout_s=600, cwd=ROOT
+    )
+    log = tmp_path / "probe" / "trial-1-util0.5" / "train.log"
     assert result.ok, result.detail + "\n" + result.log_tail + (log.read_text()[-3000:] if log.exists() else "")
     assert result.steps == 2 and result.run_dir == str(tmp_path / "probe" / "trial-1-util0.5")
     assert not (Path(result.run_dir) / "final").exists()  # output.save_model=false
@@ -285,12 +392,21 @@ def test_one_real_trial_of_the_quickstart_on_cpu(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- CLI, script
 
+
 def test_measuring_without_a_gpu_says_so_in_one_line():
-    result = subprocess.run([sys.executable, "-m", "colocate_rl", "mem-probe", "gpu-0.5b-layout", "--write",
-                             "never.yaml"], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                            env={**os.environ, "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""})
-    assert_user_error(result, "mem-probe: no CUDA GPU on this machine; measuring runs the recipe on the GPUs — run "
-                              "`colocate-rl mem-probe RECIPE --estimate` here")
+    result = subprocess.run(
+        [sys.executable, "-m", "colocate_rl", "mem-probe", "gpu-0.5b-layout", "--write", "never.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert_user_error(
+        result,
+        "mem-probe: no CUDA GPU on this machine; measuring runs the recipe on the GPUs — run "
+        "`colocate-rl mem-probe RECIPE --estimate` here",
+    )
     assert len(result.stderr.strip().splitlines()) == 1 and not (ROOT / "never.yaml").exists()
 
 
@@ -299,8 +415,9 @@ def test_write_recipe_replaces_the_file_whole(tmp_path):
     from colocate_rl.errors import UserError
 
     out = tmp_path / "out.yaml"
-    _write_recipe(out, ROOT / "recipes" / "gpu-0.5b-layout.yaml", ["generation.vllm_gpu_memory_utilization=0.61"],
-                  "probed")
+    _write_recipe(
+        out, ROOT / "recipes" / "gpu-0.5b-layout.yaml", ["generation.vllm_gpu_memory_utilization=0.61"], "probed"
+    )
     text = out.read_text()
     assert text.startswith("# probed\n") and "vllm_gpu_memory_utilization: 0.61" in text
     assert [p.name for p in tmp_path.iterdir()] == ["out.yaml"]  # no temp file left behind
@@ -309,9 +426,23 @@ def test_write_recipe_replaces_the_file_whole(tmp_path):
 
 
 def test_bench_script_dry_run_prints_the_commands(tmp_path):
-    result = subprocess.run([sys.executable, "scripts/bench_mem_probe.py", "--out", str(tmp_path), "--dry-run",
-                             "--cases", "0.5b-nosleep,1.5b-zero3", "--set", "generation.enforce_eager=true"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_mem_probe.py",
+            "--out",
+            str(tmp_path),
+            "--dry-run",
+            "--cases",
+            "0.5b-nosleep,1.5b-zero3",
+            "--set",
+            "generation.enforce_eager=true",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     lines = [x for x in result.stdout.splitlines() if not x.startswith("#")]
     assert len(lines) == 4 and not any(tmp_path.iterdir())  # nothing run, nothing written
@@ -321,8 +452,13 @@ def test_bench_script_dry_run_prints_the_commands(tmp_path):
     assert " train recipes/gpu-0.5b-layout.yaml " in verify and "trainer.max_steps=20" in verify
     assert "generation.vllm_gpu_memory_utilization=U" in verify and "generation.enforce_eager=true" in verify
     assert lines[2].startswith("CUDA_VISIBLE_DEVICES=0,1 ") and "gpu-1.5b-layout-zero3.yaml" in lines[2]
-    bad = subprocess.run([sys.executable, "scripts/bench_mem_probe.py", "--out", str(tmp_path), "--dry-run",
-                          "--cases", "7b"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "scripts/bench_mem_probe.py", "--out", str(tmp_path), "--dry-run", "--cases", "7b"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "unknown case(s) 7b" in bad.stderr
 
 
@@ -344,8 +480,10 @@ def test_bench_verification_resumes_from_its_trial_log(tmp_path, monkeypatch):
 
     monkeypatch.setattr(B.P, "run_trial", run_trial)
     args = argparse.Namespace(steps=3, verify_steps=20, band=0.04, resolution=0.02, trial_timeout=60)
-    probe_trials = [{"util": 0.9, "outcome": P.OOM, "steps": 1, "detail": "CUDA error: out of memory"},
-                    {"util": 0.88, "outcome": P.OK, "steps": 3}]
+    probe_trials = [
+        {"util": 0.9, "outcome": P.OOM, "steps": 1, "detail": "CUDA error: out of memory"},
+        {"util": 0.88, "outcome": P.OK, "steps": 3},
+    ]
     first = B.verify("r.yaml", [], "0", 0.88, tmp_path, args, probe_trials)
     assert ran == [0.88, 0.84, 0.86] and first["true_largest"] == 0.86  # 0.90 was not rerun
     assert [t["outcome"] for t in first["trials"]] == [P.OOM, P.OK, P.OK]
@@ -355,7 +493,10 @@ def test_bench_verification_resumes_from_its_trial_log(tmp_path, monkeypatch):
     assert ran == [0.84, 0.86] and passing["true_largest"] == 0.86 and passing["bound"] == ""
     assert [t["util"] for t in passing["trials"]] == [0.84, 0.9, 0.88, 0.86]
     assert sorted(p.name for p in tmp_path.glob("trial-*.out")) == [
-        "trial-1-util0.88.out", "trial-2-util0.84.out", "trial-3-util0.86.out"]
+        "trial-1-util0.88.out",
+        "trial-2-util0.84.out",
+        "trial-3-util0.86.out",
+    ]
     ran.clear()
     again = B.verify("r.yaml", [], "0", 0.88, tmp_path, args, probe_trials)
     assert ran == [] and again["true_largest"] == 0.86 and again["bound"] == ""
@@ -374,21 +515,35 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     def run_trial(recipe, util, run_dir, steps, sets, timeout_s, **kwargs):
         calls.append((Path(run_dir).name, steps, list(sets)))
         peaks = {"generation": 8.6 + util * 140.4, "weight sync": 6.4, "training": 14.5, "optimizer step": 6.3}
-        return P.TrialResult(util, P.OK if util <= 0.6 else P.OOM, 1.0, steps if util <= 0.6 else 1, str(run_dir),
-                             peaks=peaks)
+        return P.TrialResult(
+            util, P.OK if util <= 0.6 else P.OOM, 1.0, steps if util <= 0.6 else 1, str(run_dir), peaks=peaks
+        )
 
     monkeypatch.setattr(P, "run_trial", run_trial)
     out = tmp_path / "probed.yaml"
-    args = ["mem-probe", "gpu-0.5b-layout", "--probe-dir", str(tmp_path / "probe"), "--steps", "2", "--set",
-            "generation.enforce_eager=true"]
+    args = [
+        "mem-probe",
+        "gpu-0.5b-layout",
+        "--probe-dir",
+        str(tmp_path / "probe"),
+        "--steps",
+        "2",
+        "--set",
+        "generation.enforce_eager=true",
+    ]
     result = CliRunner().invoke(cli.app, [*args, "--json", "--write", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout.strip().splitlines()[-1])
     assert data["largest_passing"] == 0.6 and data["recommended"] == 0.58 and data["steps"] == 2
     # the estimated largest share first; auto's layout at the recipe's share (0.25: ZeRO-2) pinned for every trial
     # (at 0.94 auto alone would pick ZeRO-3 with full offload, as the first H200 runs did)
-    pinned = ["distributed.deepspeed=zero3", "distributed.zero_stage=2", "distributed.offload_optimizer=false",
-              "distributed.offload_params=false", "trainer.gradient_checkpointing=false"]
+    pinned = [
+        "distributed.deepspeed=zero3",
+        "distributed.zero_stage=2",
+        "distributed.offload_optimizer=false",
+        "distributed.offload_params=false",
+        "trainer.gradient_checkpointing=false",
+    ]
     assert calls[0] == ("trial-1-util0.94", 2, ["generation.enforce_eager=true", *pinned])
     assert all(c[2] == calls[0][2] for c in calls)
     gen = data["phases"][0]
@@ -421,8 +576,9 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     assert found["largest_passing"] == 0.97 and found["recommended"] == 0.95 and found["estimate"]["upper"] < 0.95
 
     def too_big(recipe, util, run_dir, steps, sets, timeout_s, **kwargs):  # training needs more than auto assumed
-        return P.TrialResult(util, P.OK, 1.0, steps, str(run_dir), peaks={"generation": 4.2 + util * 140.4,
-                                                                         "training": 131.0})
+        return P.TrialResult(
+            util, P.OK, 1.0, steps, str(run_dir), peaks={"generation": 4.2 + util * 140.4, "training": 131.0}
+        )
 
     monkeypatch.setattr(P, "run_trial", too_big)
     big = CliRunner().invoke(cli.app, [*args, "--json", "--probe-dir", str(tmp_path / "probe3")])
@@ -433,7 +589,9 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
 
 
 def test_peak_moved_to_another_share():
-    est = lambda u: {"generation": 10 + 100 * u, "training": 20.0}  # noqa: E731  sleep on: training has no share
+    def est(u):
+        return {"generation": 10 + 100 * u, "training": 20.0}  # sleep on: training has no share
+
     assert P.peak_at_share({"generation": 75.0, "training": 22.0}, 0.6, 0.25, est) == pytest.approx(40.0)
     assert P.peak_at_share({"generation": 30.0, "training": 22.0}, 0.6, 0.25, est) == 22.0
     assert P.peak_at_share({}, 0.6, 0.25, est) is None

@@ -1,14 +1,13 @@
 """Schema, YAML loading, overrides and cross-field checks: each bad recipe → its exact message."""
 
 import json
-import textwrap
 
 import pytest
 
 from colocate_rl.errors import UserError
 from colocate_rl.plan.host import Gpu, Host
-from colocate_rl.recipe.schema import Recipe, apply_overrides, dump_recipe, load_recipe, parse_recipe
 from colocate_rl.plan.resolve import resolve, trl_field_names
+from colocate_rl.recipe.schema import Recipe, apply_overrides, dump_recipe, load_recipe, parse_recipe
 
 CPU = Host(gpus=(), has_vllm=False, cpu_count=2)
 GPU2 = Host(gpus=(Gpu("H200", 140.0),) * 2, has_vllm=True, cpu_count=32)
@@ -33,25 +32,40 @@ def errors_of(data, host=CPU):
     [
         ({}, "rewards: required key is missing; add it to the recipe"),
         (with_(trainer={"learnin_rate": 1e-3}), "trainer.learnin_rate: unknown key; did you mean 'learning_rate'?"),
-        (with_(trainer={"num_generations": 1}),
-         "trainer.num_generations: input should be greater than or equal to 2 (got 1)"),
-        (with_(trainer={"max_steps": "ten"}),
-         "trainer.max_steps: input should be a valid integer, unable to parse string as an integer (got 'ten')"),
-        (with_(generation={"backend": "vlm"}),
-         "generation.backend: input should be 'auto', 'vllm' or 'transformers' (got 'vlm')"),
-        (with_(generation={"vllm_gpu_memory_utilization": 1.5}),
-         "generation.vllm_gpu_memory_utilization: input should be less than or equal to 1 (got 1.5)"),
-        (with_(distributed={"nproc_per_node": "many"}),
-         "distributed.nproc_per_node: input should be a valid integer, unable to parse string as an integer "
-         "or input should be 'auto' (got 'many')"),
+        (
+            with_(trainer={"num_generations": 1}),
+            "trainer.num_generations: input should be greater than or equal to 2 (got 1)",
+        ),
+        (
+            with_(trainer={"max_steps": "ten"}),
+            "trainer.max_steps: input should be a valid integer, unable to parse string as an integer (got 'ten')",
+        ),
+        (
+            with_(generation={"backend": "vlm"}),
+            "generation.backend: input should be 'auto', 'vllm' or 'transformers' (got 'vlm')",
+        ),
+        (
+            with_(generation={"vllm_gpu_memory_utilization": 1.5}),
+            "generation.vllm_gpu_memory_utilization: input should be less than or equal to 1 (got 1.5)",
+        ),
+        (
+            with_(distributed={"nproc_per_node": "many"}),
+            "distributed.nproc_per_node: input should be a valid integer, unable to parse string as an integer "
+            "or input should be 'auto' (got 'many')",
+        ),
         (with_(distributed={"zero_stage": 4}), "distributed.zero_stage: input should be 0, 1, 2, 3 or 'auto' (got 4)"),
         ({"rewards": [{"nam": "x"}]}, "rewards[0].name: required key is missing; add it to the recipe"),
-        (with_(output={"report_to": ["tb"]}),
-         "output.report_to[0]: input should be 'tensorboard', 'wandb', 'mlflow', 'trackio' or 'comet_ml' (got 'tb')"),
+        (
+            with_(output={"report_to": ["tb"]}),
+            "output.report_to[0]: input should be 'tensorboard', 'wandb', 'mlflow', 'trackio' or 'comet_ml' (got 'tb')",
+        ),
         (with_(data=5), "data: must be a section (a mapping of keys), got 5"),
         (with_(name="my run"), "name: string should match pattern '^[A-Za-z0-9][A-Za-z0-9._-]*$' (got 'my run')"),
-        (with_(bogus=1), "bogus: unknown key; known keys here: name, algorithm, model, data, rewards, trainer, "
-                         "generation, distributed, output"),
+        (
+            with_(bogus=1),
+            "bogus: unknown key; known keys here: name, algorithm, model, data, rewards, trainer, "
+            "generation, distributed, output",
+        ),
     ],
 )
 def test_schema_errors_name_the_dotted_key(data, expected):
@@ -63,60 +77,113 @@ def test_schema_errors_name_the_dotted_key(data, expected):
 def test_all_schema_errors_are_listed_at_once():
     with pytest.raises(UserError) as info:
         parse_recipe({"rewards": [], "trainer": {"max_steps": 0, "beta": -1}, "oops": True})
-    assert [line.split(":")[0] for line in info.value.lines] == [
-        "rewards", "trainer.max_steps", "trainer.beta", "oops"]
+    assert [line.split(":")[0] for line in info.value.lines] == ["rewards", "trainer.max_steps", "trainer.beta", "oops"]
 
 
 @pytest.mark.parametrize(
     "data, host, expected",
     [
-        (with_(trainer={"per_device_train_batch_size": 3, "num_generations": 4}), CPU,
-         "trainer.num_generations: the generation batch (6 = per_device_train_batch_size 3 × 2 ranks × steps per "
-         "generation) is not divisible by num_generations (4); change one of them"),
-        (with_(generation={"backend": "vllm"}), CPU,
-         "generation.backend: 'vllm' but vLLM is not installed here; install the GPU extra (pip install "
-         "'colocate-rl[gpu]') or set generation.backend: transformers (or auto)"),
-        (with_(generation={"backend": "vllm"}), Host(gpus=(), has_vllm=True, cpu_count=2),
-         "generation.backend: 'vllm' needs a CUDA GPU and none was found; set generation.backend: auto to generate "
-         "with transformers on CPU"),
-        (with_(generation={"tensor_parallel_size": 4}), GPU2,
-         "generation.tensor_parallel_size: 4 does not divide distributed.nproc_per_node (2); tensor-parallel groups "
-         "must stay inside one node"),
-        (with_(distributed={"nproc_per_node": 4}), GPU2,
-         "distributed.nproc_per_node: 4 ranks but this machine has 2 GPU(s); use auto or at most the GPU count"),
-        (with_(distributed={"nnodes": 2}), CPU,
-         "distributed.rdzv_endpoint: required when nnodes > 1; set it to host:port of node 0"),
-        (with_(distributed={"zero_stage": 2}), CPU,
-         "distributed.zero_stage: needs a DeepSpeed config; set distributed.deepspeed: zero3"),
-        (with_(distributed={"deepspeed": "zero9"}), CPU,
-         "distributed.deepspeed: 'zero9' is neither a shipped config (zero3, zero3_offload_all, "
-         "zero3_offload_optimizer) nor a JSON file"),
-        (with_(distributed={"deepspeed": "zero3", "zero_stage": 2, "offload_params": True}), CPU,
-         "distributed.offload_params: parameter offload needs ZeRO stage 3 (stage is 2); set "
-         "distributed.zero_stage: 3 or offload_params: false"),
-        (with_(distributed={"deepspeed": "zero3", "deepspeed_overrides": {"bf16": {"enabled": True}}}), CPU,
-         "distributed.mixed_precision: the DeepSpeed config has bf16.enabled=true but the trainer runs with "
-         "mixed_precision 'no'; set bf16.enabled to \"auto\" in the JSON (or in distributed.deepspeed_overrides) "
-         "or change distributed.mixed_precision"),
-        (with_(trainer={"extra_args": {"loss_typ": "dr_grpo"}}), CPU,
-         "trainer.extra_args.loss_typ: not a field of TRL GRPOConfig; did you mean 'loss_type'?"),
-        (with_(algorithm="rloo", trainer={"extra_args": {"loss_type": "dr_grpo"}}), CPU,
-         "trainer.extra_args.loss_type: not a field of TRL RLOOConfig; see TRL's RLOOConfig for valid names"),
-        (with_(trainer={"extra_args": {"max_steps": 3}}), CPU,
-         "trainer.extra_args.max_steps: set it as trainer.max_steps instead"),
-        (with_(trainer={"extra_args": {"use_vllm": True}}), CPU,
-         "trainer.extra_args.use_vllm: colocate-rl sets this itself; use generation.backend"),
-        (with_(model={"name": "builtin:huge"}), CPU,
-         "model.name: unknown built-in layout 'huge'; choose one of: builtin:tiny, builtin:qwen2.5-0.5b, "
-         "builtin:qwen2.5-1.5b, builtin:qwen2.5-7b"),
-        (with_(model={"name": "./no/such/model"}), CPU,
-         "model.name: './no/such/model' is not a model directory (no config.json); give a local model directory, "
-         "a hub id, or builtin:tiny"),
-        (with_(data={"source": "missing.jsonl"}), CPU,
-         "data.source: file 'missing.jsonl' not found; check the path (relative to the current directory)"),
-        (with_(generation={"max_model_length": 128}, trainer={"max_completion_length": 256}), CPU,
-         "generation.max_model_length: 128 leaves no room for the prompt; make it larger than "
-         "trainer.max_completion_length (256)"),
+        (
+            with_(trainer={"per_device_train_batch_size": 3, "num_generations": 4}),
+            CPU,
+            "trainer.num_generations: the generation batch (6 = per_device_train_batch_size 3 × 2 ranks × steps per "
+            "generation) is not divisible by num_generations (4); change one of them",
+        ),
+        (
+            with_(generation={"backend": "vllm"}),
+            CPU,
+            "generation.backend: 'vllm' but vLLM is not installed here; install the GPU extra (pip install "
+            "'colocate-rl[gpu]') or set generation.backend: transformers (or auto)",
+        ),
+        (
+            with_(generation={"backend": "vllm"}),
+            Host(gpus=(), has_vllm=True, cpu_count=2),
+            "generation.backend: 'vllm' needs a CUDA GPU and none was found; set generation.backend: auto to generate "
+            "with transformers on CPU",
+        ),
+        (
+            with_(generation={"tensor_parallel_size": 4}),
+            GPU2,
+            "generation.tensor_parallel_size: 4 does not divide distributed.nproc_per_node (2); tensor-parallel groups "
+            "must stay inside one node",
+        ),
+        (
+            with_(distributed={"nproc_per_node": 4}),
+            GPU2,
+            "distributed.nproc_per_node: 4 ranks but this machine has 2 GPU(s); use auto or at most the GPU count",
+        ),
+        (
+            with_(distributed={"nnodes": 2}),
+            CPU,
+            "distributed.rdzv_endpoint: required when nnodes > 1; set it to host:port of node 0",
+        ),
+        (
+            with_(distributed={"zero_stage": 2}),
+            CPU,
+            "distributed.zero_stage: needs a DeepSpeed config; set distributed.deepspeed: zero3",
+        ),
+        (
+            with_(distributed={"deepspeed": "zero9"}),
+            CPU,
+            "distributed.deepspeed: 'zero9' is neither a shipped config (zero3, zero3_offload_all, "
+            "zero3_offload_optimizer) nor a JSON file",
+        ),
+        (
+            with_(distributed={"deepspeed": "zero3", "zero_stage": 2, "offload_params": True}),
+            CPU,
+            "distributed.offload_params: parameter offload needs ZeRO stage 3 (stage is 2); set "
+            "distributed.zero_stage: 3 or offload_params: false",
+        ),
+        (
+            with_(distributed={"deepspeed": "zero3", "deepspeed_overrides": {"bf16": {"enabled": True}}}),
+            CPU,
+            "distributed.mixed_precision: the DeepSpeed config has bf16.enabled=true but the trainer runs with "
+            "mixed_precision 'no'; set bf16.enabled to \"auto\" in the JSON (or in distributed.deepspeed_overrides) "
+            "or change distributed.mixed_precision",
+        ),
+        (
+            with_(trainer={"extra_args": {"loss_typ": "dr_grpo"}}),
+            CPU,
+            "trainer.extra_args.loss_typ: not a field of TRL GRPOConfig; did you mean 'loss_type'?",
+        ),
+        (
+            with_(algorithm="rloo", trainer={"extra_args": {"loss_type": "dr_grpo"}}),
+            CPU,
+            "trainer.extra_args.loss_type: not a field of TRL RLOOConfig; see TRL's RLOOConfig for valid names",
+        ),
+        (
+            with_(trainer={"extra_args": {"max_steps": 3}}),
+            CPU,
+            "trainer.extra_args.max_steps: set it as trainer.max_steps instead",
+        ),
+        (
+            with_(trainer={"extra_args": {"use_vllm": True}}),
+            CPU,
+            "trainer.extra_args.use_vllm: colocate-rl sets this itself; use generation.backend",
+        ),
+        (
+            with_(model={"name": "builtin:huge"}),
+            CPU,
+            "model.name: unknown built-in layout 'huge'; choose one of: builtin:tiny, builtin:qwen2.5-0.5b, "
+            "builtin:qwen2.5-1.5b, builtin:qwen2.5-7b",
+        ),
+        (
+            with_(model={"name": "./no/such/model"}),
+            CPU,
+            "model.name: './no/such/model' is not a model directory (no config.json); give a local model directory, "
+            "a hub id, or builtin:tiny",
+        ),
+        (
+            with_(data={"source": "missing.jsonl"}),
+            CPU,
+            "data.source: file 'missing.jsonl' not found; check the path (relative to the current directory)",
+        ),
+        (
+            with_(generation={"max_model_length": 128}, trainer={"max_completion_length": 256}),
+            CPU,
+            "generation.max_model_length: 128 leaves no room for the prompt; make it larger than "
+            "trainer.max_completion_length (256)",
+        ),
     ],
 )
 def test_cross_field_errors(data, host, expected):
@@ -132,16 +199,33 @@ def test_unknown_builtin_reward_and_task_are_reported_together():
 def test_resolution_on_cpu_and_gpu():
     cpu = resolve(parse_recipe(with_()), CPU)
     assert (cpu.nproc_per_node, cpu.device, cpu.backend, cpu.precision, cpu.model_dtype) == (
-        2, "cpu", "transformers", "no", "float32")
+        2,
+        "cpu",
+        "transformers",
+        "no",
+        "float32",
+    )
     gpu = resolve(parse_recipe(with_(distributed={"deepspeed": "zero3"})), GPU2)
     assert (gpu.nproc_per_node, gpu.device, gpu.backend, gpu.precision, gpu.model_dtype) == (
-        2, "cuda", "vllm", "bf16", "bfloat16")
+        2,
+        "cuda",
+        "vllm",
+        "bf16",
+        "bfloat16",
+    )
     assert gpu.deepspeed["bf16"]["enabled"] is True and gpu.deepspeed["fp16"]["enabled"] is False
 
 
 def test_overrides_take_precedence_and_are_yaml_typed():
-    data = apply_overrides(MINIMAL, ["trainer.max_steps=7", "trainer.extra_args.scale_rewards=none",
-                                     "generation.sleep_level=0", "model.name=builtin:tiny"])
+    data = apply_overrides(
+        MINIMAL,
+        [
+            "trainer.max_steps=7",
+            "trainer.extra_args.scale_rewards=none",
+            "generation.sleep_level=0",
+            "model.name=builtin:tiny",
+        ],
+    )
     recipe = parse_recipe(data)
     assert recipe.trainer.max_steps == 7 and recipe.generation.sleep_level == 0
     assert recipe.trainer.extra_args == {"scale_rewards": "none"}

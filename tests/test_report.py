@@ -9,30 +9,46 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from colocate_rl.telemetry import report as rep
 from colocate_rl.errors import UserError
+from colocate_rl.telemetry import report as rep
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # One step, in order: (innermost phase, seconds, memory during it in GiB); generate wraps wake … sleep.
-GPU_STEP = [("wake", 0.2, 70.0), ("weight_sync", 0.3, 72.0), ("generate", 2.0, 75.0), ("sleep", 0.2, 22.0),
-            ("reward", 0.1, 22.0), ("prepare", 0.2, 23.0), ("train", 1.0, 35.0), ("optimizer", 0.5, 40.0),
-            ("other", 0.1, 21.0)]
-CPU_STEP = [("generate", 1.5, 1.2), ("reward", 0.1, 1.2), ("train", 0.8, 1.6), ("optimizer", 0.4, 1.8),
-            ("other", 0.2, 1.3)]
+GPU_STEP = [
+    ("wake", 0.2, 70.0),
+    ("weight_sync", 0.3, 72.0),
+    ("generate", 2.0, 75.0),
+    ("sleep", 0.2, 22.0),
+    ("reward", 0.1, 22.0),
+    ("prepare", 0.2, 23.0),
+    ("train", 1.0, 35.0),
+    ("optimizer", 0.5, 40.0),
+    ("other", 0.1, 21.0),
+]
+CPU_STEP = [
+    ("generate", 1.5, 1.2),
+    ("reward", 0.1, 1.2),
+    ("train", 0.8, 1.6),
+    ("optimizer", 0.4, 1.8),
+    ("other", 0.2, 1.3),
+]
 WARMUP_GENERATE = 5.0  # step 1's generate seconds (the others take GPU_STEP's / CPU_STEP's)
 
 
-def make_run(path: Path, *, gpu: bool = True, steps: int = 6, ranks: int = 2, sleep: bool = True,
-             timeline: bool = True) -> Path:
+def make_run(
+    path: Path, *, gpu: bool = True, steps: int = 6, ranks: int = 2, sleep: bool = True, timeline: bool = True
+) -> Path:
     """A run dir with metrics.jsonl (+ the final train_runtime line) and timeline/rank<N>.jsonl."""
     plan = [s for s in (GPU_STEP if gpu else CPU_STEP) if sleep or s[0] not in ("wake", "sleep")]
     if gpu and not sleep:  # vLLM keeps its memory all the time
         plan = [(p, s, max(m, 72.0)) for p, s, m in plan]
     path.mkdir(parents=True)
     (path / "timeline").mkdir()
-    lines = {r: [json.dumps({"rank": r, "device": f"cuda:{r}" if gpu else "cpu", "unit": "GiB", "t0": 1000.0 + r})]
-             for r in range(ranks)}
+    lines = {
+        r: [json.dumps({"rank": r, "device": f"cuda:{r}" if gpu else "cpu", "unit": "GiB", "t0": 1000.0 + r})]
+        for r in range(ranks)
+    }
     metrics, t = [], 0.0
     for step in range(1, steps + 1):
         secs = {p: (WARMUP_GENERATE if step == 1 and p == "generate" else s) for p, s, _ in plan}
@@ -45,23 +61,40 @@ def make_run(path: Path, *, gpu: bool = True, steps: int = 6, ranks: int = 2, sl
                     in_gen = True
                 if p not in ("generate", "other"):
                     lines[r].append(json.dumps({"t": tt, "phase": p, "edge": "start", "mem": mem + 0.3 * r}))
-                lines[r] += [json.dumps({"t": round(tt + 0.1 * k, 3), "mem": mem + 0.3 * r})
-                             for k in range(round(secs[p] / 0.1))]
+                lines[r] += [
+                    json.dumps({"t": round(tt + 0.1 * k, 3), "mem": mem + 0.3 * r}) for k in range(round(secs[p] / 0.1))
+                ]
                 tt += secs[p]
                 if p not in ("generate", "other"):
                     lines[r].append(json.dumps({"t": tt, "phase": p, "edge": "end", "mem": mem + 0.3 * r}))
-                if in_gen and (i + 1 == len(plan) or plan[i + 1][0] not in ("wake", "weight_sync", "generate", "sleep")):
+                if in_gen and (
+                    i + 1 == len(plan) or plan[i + 1][0] not in ("wake", "weight_sync", "generate", "sleep")
+                ):
                     lines[r].append(json.dumps({"t": tt, "phase": "generate", "edge": "end", "mem": mem + 0.3 * r}))
                     in_gen = False
             lines[r].append(json.dumps({"t": tt, "step_end": step, "mem": plan[-1][2] + 0.3 * r}))
         t += sum(secs.values())
-        record = {"step": step, "max_steps": steps, "wall_s": t, "reward": 0.1 * step, "loss": 0.5,
-                  "time/step_s": sum(secs.values()), **{f"time/{p}_s": s for p, s in secs.items()},
-                  "gen/tokens_per_s": 1000.0 + step, "telemetry/overhead_s": 0.046}
+        record = {
+            "step": step,
+            "max_steps": steps,
+            "wall_s": t,
+            "reward": 0.1 * step,
+            "loss": 0.5,
+            "time/step_s": sum(secs.values()),
+            **{f"time/{p}_s": s for p, s in secs.items()},
+            "gen/tokens_per_s": 1000.0 + step,
+            "telemetry/overhead_s": 0.046,
+        }
         if gpu:
-            record.update({f"mem/{p}_end_gib": m for p, _, m in plan}, **{
-                "mem/gpu_used_gib": plan[-1][2], "mem/gpu_peak_gib": max(m for *_, m in plan) + step,
-                "mem/torch_allocated_gib": 15.0, "mem/torch_reserved_gib": 18.0})
+            record.update(
+                {f"mem/{p}_end_gib": m for p, _, m in plan},
+                **{
+                    "mem/gpu_used_gib": plan[-1][2],
+                    "mem/gpu_peak_gib": max(m for *_, m in plan) + step,
+                    "mem/torch_allocated_gib": 15.0,
+                    "mem/torch_reserved_gib": 18.0,
+                },
+            )
         else:
             record.update({"mem/rss_gib": 1.3, "mem/rss_peak_gib": 1.8})
         metrics.append(json.dumps(record))
@@ -76,15 +109,22 @@ def make_run(path: Path, *, gpu: bool = True, steps: int = 6, ranks: int = 2, sl
 def make_old_run(path: Path) -> Path:
     """A run from before telemetry: only step, reward, loss, wall_s; no timeline/."""
     path.mkdir(parents=True)
-    lines = [json.dumps({"step": s, "max_steps": 4, "reward": 0.2 * s, "loss": 0.1, "wall_s": 3.0 * s})
-             for s in range(1, 5)]
+    lines = [
+        json.dumps({"step": s, "max_steps": 4, "reward": 0.2 * s, "loss": 0.1, "wall_s": 3.0 * s}) for s in range(1, 5)
+    ]
     (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return path
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "colocate_rl", "report", *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT, env={**os.environ, "COLUMNS": "200"}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "colocate_rl", "report", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200"},
+        timeout=120,
+    )
 
 
 def assert_user_error(result, *fragments):
@@ -127,8 +167,18 @@ def test_time_shares_leave_out_the_warm_up_step(tmp_path):
     assert shares["step"] == pytest.approx((4.6, 100.0))
     assert shares["generate"] == pytest.approx((2.0, 100 * 2.0 / 4.6))
     assert shares["optimizer"] == pytest.approx((0.5, 100 * 0.5 / 4.6))
-    assert list(shares) == ["generate", "weight_sync", "wake", "sleep", "reward", "prepare", "train", "optimizer",
-                            "other", "step"]
+    assert list(shares) == [
+        "generate",
+        "weight_sync",
+        "wake",
+        "sleep",
+        "reward",
+        "prepare",
+        "train",
+        "optimizer",
+        "other",
+        "step",
+    ]
     assert sum(s for p, (s, _) in shares.items() if p != "step") == pytest.approx(4.6)
 
 
@@ -156,10 +206,17 @@ def test_cpu_run_has_rss_only(tmp_path):
 
 
 def test_innermost_spans_of_nested_phases():
-    edges = [(0, "generate", "start"), (0, "wake", "start"), (1, "wake", "end"), (3, "sleep", "start"),
-             (4, "sleep", "end"), (4, "generate", "end"), (5, "optimizer", "start"), (6, "optimizer", "end")]
-    assert rep.innermost_spans(edges) == [(0, 1, "wake"), (1, 3, "generate"), (3, 4, "sleep"),
-                                          (5, 6, "optimizer")]
+    edges = [
+        (0, "generate", "start"),
+        (0, "wake", "start"),
+        (1, "wake", "end"),
+        (3, "sleep", "start"),
+        (4, "sleep", "end"),
+        (4, "generate", "end"),
+        (5, "optimizer", "start"),
+        (6, "optimizer", "end"),
+    ]
+    assert rep.innermost_spans(edges) == [(0, 1, "wake"), (1, 3, "generate"), (3, 4, "sleep"), (5, 6, "optimizer")]
 
 
 def test_memory_timeline_draws_every_rank_phases_and_step_ends(tmp_path, figures):
@@ -195,8 +252,11 @@ def test_two_runs_compare(tmp_path, figures):
     after = next(line for line in text.splitlines() if "after optimizer step" in line)
     assert "+51.00" in after  # 72 GiB held by vLLM without sleep vs 21 GiB with it
     written = rep.report([on, off], out=tmp_path / "cmp", console=Console(file=open(os.devnull, "w")))
-    assert [p.name for p in written] == ["compare_memory_timeline.png", "compare_step_breakdown.png",
-                                         "compare_reward.png"]
+    assert [p.name for p in written] == [
+        "compare_memory_timeline.png",
+        "compare_step_breakdown.png",
+        "compare_reward.png",
+    ]
     timeline = figures["compare_memory_timeline.png"]
     assert len(timeline.axes) == 4 and timeline.axes[0].get_ylim() == timeline.axes[1].get_ylim()
     bars = figures["compare_step_breakdown.png"].axes
@@ -250,7 +310,15 @@ def test_errors(tmp_path):
 
 
 def test_cli_import_stays_light():
-    probe = subprocess.run([sys.executable, "-c", "import sys, colocate_rl.cli; print(sorted(m for m in "
-                            "('matplotlib', 'numpy', 'colocate_rl.telemetry.report') if m in sys.modules))"],
-                           capture_output=True, text=True, check=True)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, colocate_rl.cli; print(sorted(m for m in "
+            "('matplotlib', 'numpy', 'colocate_rl.telemetry.report') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert probe.stdout.strip() == "[]"

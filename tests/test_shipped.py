@@ -9,16 +9,21 @@ import pytest
 from colocate_rl.plan.deepspeed import build_deepspeed_config
 from colocate_rl.plan.host import assumed_host, detect_host
 from colocate_rl.plan.launch_plan import make_plan
-from colocate_rl.recipe.schema import load_recipe
 from colocate_rl.plan.resolve import resolve
+from colocate_rl.recipe.schema import load_recipe
 from colocate_rl.recipe.shipped import recipe_summary, shipped_deepspeed_configs, shipped_recipes
 
 RECIPES = shipped_recipes()
 
 
 def test_expected_recipes_are_shipped():
-    assert {"quickstart", "qwen2.5-1.5b-grpo-gsm8k", "qwen2.5-1.5b-rloo-gsm8k", "qwen2.5-7b-grpo",
-            "qwen2.5-72b-grpo-colocate"} <= set(RECIPES)
+    assert {
+        "quickstart",
+        "qwen2.5-1.5b-grpo-gsm8k",
+        "qwen2.5-1.5b-rloo-gsm8k",
+        "qwen2.5-7b-grpo",
+        "qwen2.5-72b-grpo-colocate",
+    } <= set(RECIPES)
     assert any(load_recipe(p).algorithm == "rloo" for p in RECIPES.values())
 
 
@@ -29,8 +34,7 @@ def test_shipped_recipe_validates_and_plans(name, host, tmp_path):
     assert recipe.name == name, "a recipe's name matches its file name"
     assert recipe_summary(RECIPES[name]), "a recipe starts with a one-line comment saying what it runs"
     resolved = resolve(recipe, detect_host() if host == "detected" else assumed_host(8))
-    plan = make_plan(resolved, run_dir=tmp_path / "run", python="python", cwd=tmp_path, cache_dir=tmp_path,
-                     base_env={})
+    plan = make_plan(resolved, run_dir=tmp_path / "run", python="python", cwd=tmp_path, cache_dir=tmp_path, base_env={})
     assert plan.argv[:3] == ["python", "-m", "torch.distributed.run"]
     if host == "8 GPUs":
         args = json.loads(plan.files["launch.json"])["trl_args"]
@@ -53,10 +57,14 @@ def test_shipped_deepspeed_configs_build(name, precision):
 def test_deepspeed_overrides_and_user_file(tmp_path):
     path = tmp_path / "mine.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}))
-    config = build_deepspeed_config(str(path), precision="bf16", offload_optimizer=True,
-                                    overrides={"zero_optimization": {"overlap_comm": False}})
-    assert config["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                           "overlap_comm": False}
+    config = build_deepspeed_config(
+        str(path), precision="bf16", offload_optimizer=True, overrides={"zero_optimization": {"overlap_comm": False}}
+    )
+    assert config["zero_optimization"] == {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": False,
+    }
     path.write_text("{bad json")
     from colocate_rl.errors import UserError
 

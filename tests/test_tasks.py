@@ -5,7 +5,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -230,8 +229,17 @@ def test_reward_values(wrap):
     assert answer_match(None, c, answer=gold) == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
     assert answer_match(None, wrap(["1", "1"]), answer=[None, "1"]) == [None, 1.0]
 
-    c = wrap(["<think>hmm</think> 42", "<think>hmm</think>  ", "42", "<think>a</think>b<think>c</think>d",
-              "\n<think>\nmulti\nline\n</think>\nAnswer: 3", "<think></think>x", "think</think> 4"])
+    c = wrap(
+        [
+            "<think>hmm</think> 42",
+            "<think>hmm</think>  ",
+            "42",
+            "<think>a</think>b<think>c</think>d",
+            "\n<think>\nmulti\nline\n</think>\nAnswer: 3",
+            "<think></think>x",
+            "think</think> 4",
+        ]
+    )
     assert format_think(None, c) == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
 
     assert length_penalty(None, wrap(["a" * 500, "", "xy"])) == [-0.5, 0.0, -0.002]
@@ -277,8 +285,17 @@ def _tiny_model_and_tokenizer():
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
     return LlamaForCausalLM(config), tokenizer
 
 
@@ -288,16 +305,24 @@ def test_grpo_trainer_reward_path(tmp_path, monkeypatch):
     from trl.data_utils import is_conversational
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "my_reward.py").write_text("def always_one(prompts, completions, **kwargs):\n"
-                                           "    return [1.0 for _ in completions]\n")
+    (tmp_path / "my_reward.py").write_text(
+        "def always_one(prompts, completions, **kwargs):\n    return [1.0 for _ in completions]\n"
+    )
     ds = load_prompts("builtin:arithmetic", num_samples=4)
     assert is_conversational(ds[0])
     assert not is_conversational(load_prompts("builtin:digits", chat=False, num_samples=1)[0])
     names = ["digit_share", "answer_match", "my_reward.py:always_one"]
     funcs = [resolve_reward(n, key=f"rewards[{i}].name") for i, n in enumerate(names)]
     model, tokenizer = _tiny_model_and_tokenizer()
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2,
-                      max_completion_length=4, use_cpu=True, report_to=[], save_strategy="no")
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=4,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+    )
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=ds, processing_class=tokenizer)
     assert trainer.reward_func_names == ["digit_share", "answer_match", "always_one"]
 

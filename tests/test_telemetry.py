@@ -1,6 +1,5 @@
 """Telemetry on CPU: exclusive phase accounting, timeline lines, and the merge into TRL's logs."""
 
-import json
 import time
 from types import SimpleNamespace
 
@@ -43,9 +42,11 @@ def test_wrap_times_a_method_and_keeps_its_result(tmp_path):
 
 def test_telemetry_reaches_trl_logs_with_tokens_per_second(tmp_path):
     seen = {}
-    trainer = SimpleNamespace(log=lambda logs, start_time=None: seen.update(logs),
-                              _metrics={"train": {"completions/mean_length": [10.0, 30.0]}},
-                              args=SimpleNamespace(generation_batch_size=16))
+    trainer = SimpleNamespace(
+        log=lambda logs, start_time=None: seen.update(logs),
+        _metrics={"train": {"completions/mean_length": [10.0, 30.0]}},
+        args=SimpleNamespace(generation_batch_size=16),
+    )
     tel = Telemetry(tmp_path)
     merge_telemetry_into_logs(trainer, tel)
     tel.pending = {"time/generate_s": 0.5, "time/step_s": 1.0}

@@ -59,14 +59,17 @@ def check_run_dir_free(run_dir: Path, node_dir: str | None = None) -> None:
     entries = sorted(p.name for p in run_dir.iterdir())
     if node_dir is None:
         if entries:
-            raise UserError(f"output.run_dir: '{run_dir}' already exists and is not empty; "
-                            "pass another --run-dir or remove it")
+            raise UserError(
+                f"output.run_dir: '{run_dir}' already exists and is not empty; pass another --run-dir or remove it"
+            )
         return
     if DONE_FILE in entries:
         raise UserError(f"output.run_dir: '{run_dir}' holds a finished run ({DONE_FILE}); {fix}")
     if (run_dir / node_dir).exists():
-        raise UserError(f"output.run_dir: '{run_dir}' already has {node_dir}/ (this node rank already started "
-                        f"a run there); {fix}, and give each node its own --node-rank")
+        raise UserError(
+            f"output.run_dir: '{run_dir}' already has {node_dir}/ (this node rank already started "
+            f"a run there); {fix}, and give each node its own --node-rank"
+        )
     foreign = [name for name in entries if name not in SHARED_BEFORE_START and not name.startswith(".")]
     if foreign:
         raise UserError(f"output.run_dir: '{run_dir}' holds another run ({', '.join(foreign[:3])}); {fix}")
@@ -101,8 +104,10 @@ def write_run_dir(plan: LaunchPlan) -> list[str]:
         try:
             (plan.run_dir / plan.node_dir).mkdir(parents=True)
         except FileExistsError:
-            raise UserError(f"output.run_dir: '{plan.run_dir}' already has {plan.node_dir}/ (another node started "
-                            "with the same node rank?); give each node its own --node-rank")
+            raise UserError(
+                f"output.run_dir: '{plan.run_dir}' already has {plan.node_dir}/ (another node started "
+                "with the same node rank?); give each node its own --node-rank"
+            )
     for name, content in plan.files.items():
         path = plan.run_dir / name
         if plan.node_dir is not None and not name.startswith(plan.node_dir + "/"):
@@ -165,15 +170,28 @@ def worker_errors(log: str) -> list[str]:
     return list(dict.fromkeys(line.strip() for line in found))
 
 
-SHORT_PHASES = {"generate": "gen", "weight_sync": "sync", "weight_check": "check", "wake": "wake", "sleep": "sleep",
-                "offload": "offload", "reload": "reload", "reward": "reward", "prepare": "prep", "train": "train",
-                "optimizer": "opt"}
+SHORT_PHASES = {
+    "generate": "gen",
+    "weight_sync": "sync",
+    "weight_check": "check",
+    "wake": "wake",
+    "sleep": "sleep",
+    "offload": "offload",
+    "reload": "reload",
+    "reward": "reward",
+    "prepare": "prep",
+    "train": "train",
+    "optimizer": "opt",
+}
 
 
 def phase_summary(record: dict[str, Any]) -> str:
     """`gen 0.61s sync 0.10s train 0.30s opt 0.05s | GPU 14.5 GiB (peak 41.5)` from one metrics record."""
-    phases = [f"{short} {record[f'time/{name}_s']:.2f}s" for name, short in SHORT_PHASES.items()
-              if record.get(f"time/{name}_s", 0) >= 0.005]
+    phases = [
+        f"{short} {record[f'time/{name}_s']:.2f}s"
+        for name, short in SHORT_PHASES.items()
+        if record.get(f"time/{name}_s", 0) >= 0.005
+    ]
     text = " ".join(phases)
     if "mem/gpu_used_gib" in record:
         text += f" | GPU {record['mem/gpu_used_gib']:.1f} GiB (peak {record.get('mem/gpu_peak_gib', 0):.1f})"
@@ -214,8 +232,9 @@ class _Supervisor:
 
     def run(self, on_tick) -> int:
         env = {**os.environ, **self.plan.env}
-        self.proc = subprocess.Popen(self.plan.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.plan.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         pump = threading.Thread(target=self._pump, args=(log_path(self.plan),), daemon=True)
         pump.start()
         previous = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -236,9 +255,11 @@ def execute(plan: LaunchPlan, console: Console, verbose: bool = False) -> int:
     differ = write_run_dir(plan)
     console.print(f"run dir: [bold]{plan.run_dir}[/]  (log: {log_path(plan)})")
     if differ:
-        console.print(f"[yellow]warning:[/] {', '.join(differ)} in the run dir were written by another node from a "
-                      "different recipe; the ranks compare recipes at start and stop if the nodes differ",
-                      highlight=False)
+        console.print(
+            f"[yellow]warning:[/] {', '.join(differ)} in the run dir were written by another node from a "
+            "different recipe; the ranks compare recipes at start and stop if the nodes differ",
+            highlight=False,
+        )
     if plan.builtin_model:
         console.print(f"building built-in model {plan.builtin_model['layout']} ...")
         build_builtin_model(plan)
@@ -248,8 +269,14 @@ def execute(plan: LaunchPlan, console: Console, verbose: bool = False) -> int:
     if interactive:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                            TextColumn("{task.fields[status]}"), console=console)
+        progress = Progress(
+            TextColumn("training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=console,
+        )
         task = progress.add_task("train", total=None, status="starting ranks ...")
         progress.start()
 
@@ -273,8 +300,10 @@ def execute(plan: LaunchPlan, console: Console, verbose: bool = False) -> int:
             progress.stop()
     done = (plan.run_dir / DONE_FILE).exists()
     if code != 0 and done:
-        console.print(f"[yellow]warning:[/] torchrun exited {code} after the run finished and saved its model "
-                      "(a crash at interpreter exit, known with vLLM sleep mode); the run counts as successful")
+        console.print(
+            f"[yellow]warning:[/] torchrun exited {code} after the run finished and saved its model "
+            "(a crash at interpreter exit, known with vLLM sleep mode); the run counts as successful"
+        )
         code = 0
     if code != 0:
         from colocate_rl.launch.failures import diagnose

@@ -16,12 +16,16 @@ def diagnose(log_text: str, recipe: Recipe) -> list[str]:
         advice.append(
             f"vLLM could not reserve generation.vllm_gpu_memory_utilization={util} of the GPU at start-up (the "
             f"trainer or another process already holds that memory): lower it (e.g. {max(0.05, round(util - 0.1, 2))}),"
-            " or free the GPU; " + MEM_PROBE)
-    if ("No available memory for the cache blocks" in log_text
-            or "larger than the available KV cache memory" in log_text):
+            " or free the GPU; " + MEM_PROBE
+        )
+    if (
+        "No available memory for the cache blocks" in log_text
+        or "larger than the available KV cache memory" in log_text
+    ):
         advice.append(
             f"vLLM's KV cache does not fit in generation.vllm_gpu_memory_utilization={util}: raise it, or lower "
-            "generation.max_model_length / trainer.max_completion_length; " + MEM_PROBE)
+            "generation.max_model_length / trainer.max_completion_length; " + MEM_PROBE
+        )
     if "CUDA out of memory" in log_text or "OutOfMemoryError" in log_text:
         steps = []
         if not gen.sleep_level:

@@ -48,11 +48,12 @@ what else to change.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from colocate_rl.plan.deepspeed import build_deepspeed_config, load_base_config, zero_settings
 from colocate_rl.errors import UserError
+from colocate_rl.plan.deepspeed import build_deepspeed_config, load_base_config, zero_settings
 
 MARGIN = 0.10  # of the GPU's memory, kept free above a candidate's estimated peak
 AUTO_BASE_CONFIG = "zero3"  # the shipped DeepSpeed JSON auto starts from when distributed.deepspeed is null
@@ -120,16 +121,21 @@ class LayoutChoice:
         if self.limit_gib is None:
             head = f"{keys} auto: no GPU memory to compare with"
         else:
-            head = (f"{keys} auto: estimated peak per GPU vs {self.limit_gib:.1f} GiB ({self.gpu_gib:.1f} GiB less "
-                    f"{self.margin:.0%} margin), fastest first")
+            head = (
+                f"{keys} auto: estimated peak per GPU vs {self.limit_gib:.1f} GiB ({self.gpu_gib:.1f} GiB less "
+                f"{self.margin:.0%} margin), fastest first"
+            )
         out = [head]
         for t in self.tried:
             mark = "  ← chosen" if t.candidate == self.chosen else ""
             if t.peak_gib is None:
                 out.append(f"  {t.candidate.label:<52} not estimated{mark}")
             else:
-                why = [x for x, bad in (("too big", t.peak_gib > self.limit_gib),
-                                        ("host RAM too small", not t.host_fits)) if bad]
+                why = [
+                    x
+                    for x, bad in (("too big", t.peak_gib > self.limit_gib), ("host RAM too small", not t.host_fits))
+                    if bad
+                ]
                 verdict = "; ".join(why) if why else "fits"
                 host = f" + host {t.host_gib:.1f} GiB" if t.host_gib else ""
                 out.append(f"  {t.candidate.label:<52} {t.peak_gib:7.2f} GiB ({t.peak_phase}){host} {verdict}{mark}")
@@ -143,26 +149,44 @@ class LayoutChoice:
         c, out = self.chosen, []
         if "distributed.zero_stage" in self.auto_keys and c.stage is not None:
             out += [] if deepspeed else [f"distributed.deepspeed={AUTO_BASE_CONFIG}"]
-            out += [f"distributed.zero_stage={c.stage}",
-                    f"distributed.offload_optimizer={str(c.offload_optimizer).lower()}",
-                    f"distributed.offload_params={str(c.offload_params).lower()}"]
+            out += [
+                f"distributed.zero_stage={c.stage}",
+                f"distributed.offload_optimizer={str(c.offload_optimizer).lower()}",
+                f"distributed.offload_params={str(c.offload_params).lower()}",
+            ]
         if "trainer.gradient_checkpointing" in self.auto_keys:
             out.append(f"trainer.gradient_checkpointing={str(c.gradient_checkpointing).lower()}")
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"auto_keys": list(self.auto_keys), "gpu_memory_gib": self.gpu_gib, "margin": self.margin,
-                "limit_gib": None if self.limit_gib is None else round(self.limit_gib, 3),
-                "chosen": _cand_json(self.chosen), "reason": self.reason,
-                "candidates": [{**_cand_json(t.candidate),
-                                "peak_gib": None if t.peak_gib is None else round(t.peak_gib, 3),
-                                "peak_phase": t.peak_phase, "host_gib": round(t.host_gib, 3), "fits": t.fits}
-                               for t in self.tried]}
+        return {
+            "auto_keys": list(self.auto_keys),
+            "gpu_memory_gib": self.gpu_gib,
+            "margin": self.margin,
+            "limit_gib": None if self.limit_gib is None else round(self.limit_gib, 3),
+            "chosen": _cand_json(self.chosen),
+            "reason": self.reason,
+            "candidates": [
+                {
+                    **_cand_json(t.candidate),
+                    "peak_gib": None if t.peak_gib is None else round(t.peak_gib, 3),
+                    "peak_phase": t.peak_phase,
+                    "host_gib": round(t.host_gib, 3),
+                    "fits": t.fits,
+                }
+                for t in self.tried
+            ],
+        }
 
 
 def _cand_json(c: Candidate) -> dict[str, Any]:
-    return {"label": c.label, "zero_stage": c.stage, "offload_optimizer": c.offload_optimizer,
-            "offload_params": c.offload_params, "gradient_checkpointing": c.gradient_checkpointing}
+    return {
+        "label": c.label,
+        "zero_stage": c.stage,
+        "offload_optimizer": c.offload_optimizer,
+        "offload_params": c.offload_params,
+        "gradient_checkpointing": c.gradient_checkpointing,
+    }
 
 
 def _zero(config: dict[str, Any] | None) -> tuple[int | None, bool, bool]:
@@ -189,10 +213,16 @@ def candidates(resolved, valid: Callable[[dict[str, Any]], bool] | None = None) 
         forced_par = dist.offload_params if dist.offload_params is not None else (True if base_par else None)
         for stage, opt, par in STAGES:
             try:
-                configs.append(build_deepspeed_config(
-                    spec, precision=resolved.precision, zero_stage=stage,
-                    offload_optimizer=opt if forced_opt is None else forced_opt,
-                    offload_params=par if forced_par is None else forced_par, overrides=dist.deepspeed_overrides))
+                configs.append(
+                    build_deepspeed_config(
+                        spec,
+                        precision=resolved.precision,
+                        zero_stage=stage,
+                        offload_optimizer=opt if forced_opt is None else forced_opt,
+                        offload_params=par if forced_par is None else forced_par,
+                        overrides=dist.deepspeed_overrides,
+                    )
+                )
             except UserError:  # e.g. parameter offload forced on below ZeRO-3: not a candidate
                 continue
             if valid is not None and not valid(configs[-1]):
@@ -208,26 +238,50 @@ def candidates(resolved, valid: Callable[[dict[str, Any]], bool] | None = None) 
     return out
 
 
-def choose_layout(resolved, gpu_gib: float | None, prompt_tokens: int | None = None,
-                  valid: Callable[[dict[str, Any]], bool] | None = None, ram_gib: float | None = None) -> LayoutChoice:
+def choose_layout(
+    resolved,
+    gpu_gib: float | None,
+    prompt_tokens: int | None = None,
+    valid: Callable[[dict[str, Any]], bool] | None = None,
+    ram_gib: float | None = None,
+) -> LayoutChoice:
     """The first of `candidates(resolved)` whose estimated peak (over all phases, at the recipe's vLLM share) is at
     most `gpu_gib × (1 − MARGIN)` and, when `ram_gib` (this machine's memory) is known, whose offloaded state fits in
     `ram_gib × (1 − MARGIN)`. `gpu_gib` None (no GPU): the first candidate, nothing estimated."""
     from colocate_rl.memory.estimate import estimate
 
     dist, trainer = resolved.recipe.distributed, resolved.recipe.trainer
-    auto_keys = tuple(k for k, v in (("distributed.zero_stage", dist.zero_stage),
-                                     ("trainer.gradient_checkpointing", trainer.gradient_checkpointing)) if v == "auto")
+    auto_keys = tuple(
+        k
+        for k, v in (
+            ("distributed.zero_stage", dist.zero_stage),
+            ("trainer.gradient_checkpointing", trainer.gradient_checkpointing),
+        )
+        if v == "auto"
+    )
     cands = candidates(resolved, valid)
     if not cands:  # every auto candidate was invalid with the explicit settings: keep the explicit build
         config = resolved.deepspeed
-        cands = [Candidate(*_zero(config), gradient_checkpointing=trainer.gradient_checkpointing is True,
-                           deepspeed=config)]
-    done = lambda chosen, tried, reason: LayoutChoice(chosen, tuple(tried), gpu_gib, MARGIN, reason,  # noqa: E731
-                                                      auto_keys)
+        cands = [
+            Candidate(*_zero(config), gradient_checkpointing=trainer.gradient_checkpointing is True, deepspeed=config)
+        ]
+
+    def done(chosen, tried, reason):
+        return LayoutChoice(
+            chosen,
+            tuple(tried),
+            gpu_gib,
+            MARGIN,
+            reason,
+            auto_keys,
+        )
+
     if gpu_gib is None or resolved.device != "cuda":
-        return done(cands[0], [Tried(c) for c in cands],
-                    "no GPU here, so no memory limit was assumed: the fastest candidate (--gpus N plans for GPUs)")
+        return done(
+            cands[0],
+            [Tried(c) for c in cands],
+            "no GPU here, so no memory limit was assumed: the fastest candidate (--gpus N plans for GPUs)",
+        )
     limit = gpu_gib * (1 - MARGIN)
     tried: list[Tried] = []
     for c in cands:
@@ -237,18 +291,28 @@ def choose_layout(resolved, gpu_gib: float | None, prompt_tokens: int | None = N
         except UserError as err:  # unknown layout, transformers backend: no estimate possible
             safe = [x for x in cands if x.stage == 3] or cands
             chosen = next((x for x in safe if x.gradient_checkpointing), safe[0])
-            return done(chosen, [Tried(x) for x in cands],
-                        f"no estimate ({err.lines[0]}), so the safe choice; set distributed.zero_stage to override")
+            return done(
+                chosen,
+                [Tried(x) for x in cands],
+                f"no estimate ({err.lines[0]}), so the safe choice; set distributed.zero_stage to override",
+            )
         phase, peak = e.peak()
         fits_host = host_fits(e.host_gib, ram_gib)
         tried.append(Tried(c, peak, phase, peak <= limit and fits_host, e.host_gib, fits_host))
     first = next((t for t in tried if t.fits), None)
     if first is not None:
         return done(first.candidate, tried, f"the first that fits ({first.peak_gib:.2f} ≤ {limit:.1f} GiB)")
-    host = (f" (and its offload in {ram_gib * (1 - MARGIN):.1f} GiB of host memory)"
-            if any(not t.host_fits for t in tried) else "")
-    return done(cands[-1], tried, f"none fits in {limit:.1f} GiB{host}: the last candidate; see `colocate-rl "
-                                  "mem-probe --estimate` for other changes")
+    host = (
+        f" (and its offload in {ram_gib * (1 - MARGIN):.1f} GiB of host memory)"
+        if any(not t.host_fits for t in tried)
+        else ""
+    )
+    return done(
+        cands[-1],
+        tried,
+        f"none fits in {limit:.1f} GiB{host}: the last candidate; see `colocate-rl "
+        "mem-probe --estimate` for other changes",
+    )
 
 
 def confirm_choice(choice: LayoutChoice, measured_peak_gib: float) -> tuple[bool, str]:
@@ -260,13 +324,22 @@ def confirm_choice(choice: LayoutChoice, measured_peak_gib: float) -> tuple[bool
     est = next((t.peak_gib for t in choice.tried if t.candidate == choice.chosen), None)
     est_text = f"estimated {est:.2f}, " if est is not None else ""
     if measured_peak_gib <= choice.limit_gib:
-        return True, (f"{label} confirmed: measured peak {measured_peak_gib:.2f} GiB ({est_text}limit "
-                      f"{choice.limit_gib:.1f} GiB)")
+        return True, (
+            f"{label} confirmed: measured peak {measured_peak_gib:.2f} GiB ({est_text}limit {choice.limit_gib:.1f} GiB)"
+        )
     later = [t.candidate for t in choice.tried]
     nxt = later[later.index(choice.chosen) + 1] if choice.chosen in later[:-1] else None
-    fix = (f"set distributed.zero_stage: {nxt.stage}" + (", distributed.offload_optimizer: true" if
-           nxt.offload_optimizer else "") + (", distributed.offload_params: true" if nxt.offload_params else "")
-           + (", trainer.gradient_checkpointing: true" if nxt.gradient_checkpointing else "")
-           ) if nxt is not None else "use more GPUs or shorter completions"
-    return False, (f"{label} not confirmed: measured peak {measured_peak_gib:.2f} GiB exceeds the limit "
-                   f"{choice.limit_gib:.1f} GiB ({est_text}{choice.margin:.0%} margin); {fix}")
+    fix = (
+        (
+            f"set distributed.zero_stage: {nxt.stage}"
+            + (", distributed.offload_optimizer: true" if nxt.offload_optimizer else "")
+            + (", distributed.offload_params: true" if nxt.offload_params else "")
+            + (", trainer.gradient_checkpointing: true" if nxt.gradient_checkpointing else "")
+        )
+        if nxt is not None
+        else "use more GPUs or shorter completions"
+    )
+    return False, (
+        f"{label} not confirmed: measured peak {measured_peak_gib:.2f} GiB exceeds the limit "
+        f"{choice.limit_gib:.1f} GiB ({est_text}{choice.margin:.0%} margin); {fix}"
+    )

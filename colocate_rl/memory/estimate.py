@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from colocate_rl.plan.deepspeed import zero_settings
 from colocate_rl.errors import UserError
+from colocate_rl.plan.deepspeed import zero_settings
 
 GIB = 2**30
 # Memory a rank holds besides tensors, measured on H200s (docs/benchmarks.md, mem-probe accuracy, session 5):
@@ -29,8 +30,12 @@ MARGIN = 0.05  # of the GPU, kept free on each side of the chosen vLLM share (es
 ASSUMED_PROMPT_TOKENS = 512  # prompt length when generation.max_model_length does not bound it (--prompt-tokens)
 KV_BLOCK = 16  # vLLM's KV block size in tokens: a sequence takes whole blocks
 PHASES = ("generation", "weight sync", "training", "optimizer step")
-SHARE_TERMS = ("vLLM weights", "vLLM KV cache (1 generation batch)", "vLLM graphs + workspace",
-               "vLLM rest of its share")  # vLLM's share while it is awake
+SHARE_TERMS = (
+    "vLLM weights",
+    "vLLM KV cache (1 generation batch)",
+    "vLLM graphs + workspace",
+    "vLLM rest of its share",
+)  # vLLM's share while it is awake
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,12 @@ class Layout:
 def _hub_table() -> dict[str, Layout]:
     """Published config.json values (keys lower case); every Qwen2.5 -Instruct lists 32768 positions."""
     qwen = {  # hidden, layers, heads, kv heads, intermediate, vocab, tied, max positions of the base model
-        "0.5b": (896, 24, 14, 2, 4864, 151936, True, 32768), "1.5b": (1536, 28, 12, 2, 8960, 151936, True, 131072),
-        "3b": (2048, 36, 16, 2, 11008, 151936, True, 32768), "7b": (3584, 28, 28, 4, 18944, 152064, False, 131072),
-        "14b": (5120, 48, 40, 8, 13824, 152064, False, 131072), "32b": (5120, 64, 40, 8, 27648, 152064, False, 131072),
+        "0.5b": (896, 24, 14, 2, 4864, 151936, True, 32768),
+        "1.5b": (1536, 28, 12, 2, 8960, 151936, True, 131072),
+        "3b": (2048, 36, 16, 2, 11008, 151936, True, 32768),
+        "7b": (3584, 28, 28, 4, 18944, 152064, False, 131072),
+        "14b": (5120, 48, 40, 8, 13824, 152064, False, 131072),
+        "32b": (5120, 64, 40, 8, 27648, 152064, False, 131072),
         "72b": (8192, 80, 64, 8, 29568, 152064, False, 131072),
     }
     table = {}
@@ -84,17 +92,29 @@ HUB_LAYOUTS = _hub_table()
 def layout_from_config(cfg: dict[str, Any], source: str) -> Layout:
     """A Layout from a Hugging Face config.json mapping (its `text_config` when it has one)."""
     cfg = cfg.get("text_config") or cfg
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                           "vocab_size") if not isinstance(cfg.get(k), int)]
+    missing = [
+        k
+        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        if not isinstance(cfg.get(k), int)
+    ]
     if missing or any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        raise UserError(f"model.name: {source} is not a dense decoder's config (" + (f"no {', '.join(missing)}" if
-                        missing else "mixture of experts") + "); mem-probe --estimate handles dense decoders only")
-    return Layout(cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-                  cfg.get("num_key_value_heads") or cfg["num_attention_heads"], cfg["intermediate_size"],
-                  cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)),
-                  cfg.get("max_position_embeddings") or 32768,
-                  qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
-                  head_dim=cfg.get("head_dim"))
+        raise UserError(
+            f"model.name: {source} is not a dense decoder's config ("
+            + (f"no {', '.join(missing)}" if missing else "mixture of experts")
+            + "); mem-probe --estimate handles dense decoders only"
+        )
+    return Layout(
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+        bool(cfg.get("tie_word_embeddings", False)),
+        cfg.get("max_position_embeddings") or 32768,
+        qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+        head_dim=cfg.get("head_dim"),
+    )
 
 
 def layout_for(name: str) -> Layout:
@@ -103,8 +123,10 @@ def layout_for(name: str) -> Layout:
         from colocate_rl.builtin_model import LAYOUTS
 
         if name.removeprefix("builtin:") not in LAYOUTS:
-            raise UserError(f"model.name: unknown built-in layout '{name}'; choose one of: "
-                            + ", ".join(f"builtin:{k}" for k in LAYOUTS))
+            raise UserError(
+                f"model.name: unknown built-in layout '{name}'; choose one of: "
+                + ", ".join(f"builtin:{k}" for k in LAYOUTS)
+            )
         return layout_from_config(dict(LAYOUTS[name.removeprefix("builtin:")], model_type="qwen2"), name)
     config = Path(name).expanduser() / "config.json"
     if config.is_file():
@@ -114,8 +136,10 @@ def layout_for(name: str) -> Layout:
             raise UserError(f"model.name: cannot read {config} ({e}); fix it or pass another model directory")
     if name.lower() in HUB_LAYOUTS:
         return HUB_LAYOUTS[name.lower()]
-    raise UserError(f"model.name: no layout known for '{name}'; pass a local model directory (with config.json), "
-                    "or add the layout to HUB_LAYOUTS in colocate_rl/estimate.py")
+    raise UserError(
+        f"model.name: no layout known for '{name}'; pass a local model directory (with config.json), "
+        "or add the layout to HUB_LAYOUTS in colocate_rl/estimate.py"
+    )
 
 
 @dataclass
@@ -150,8 +174,11 @@ class Estimate:
             self.fits = self.asleep_fits and self.chosen <= self.upper - MARGIN
         else:  # the share is fixed by the KV budget: it must hold one batch and leave the margin free
             self.chosen = self.util
-            self.fits = (self.asleep_fits and self.kv_budget_gib >= self.kv["gib"]
-                         and self.share_gib() <= G * (self.upper - MARGIN))
+            self.fits = (
+                self.asleep_fits
+                and self.kv_budget_gib >= self.kv["gib"]
+                and self.share_gib() <= G * (self.upper - MARGIN)
+            )
 
     def share_gib(self, util: float | None = None) -> float:
         """vLLM's memory while awake: util × GPU, or weights + the KV budget + allowance (generation.kv_cache_memory)."""
@@ -179,24 +206,34 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
     """Memory per GPU and phase for `resolved` (a GPU plan) on GPUs of `gpu_gib` GiB."""
     t, g = resolved.recipe.trainer, resolved.recipe.generation
     if g.backend == "transformers":
-        raise UserError("generation.backend: 'transformers'; mem-probe --estimate plans the colocated vLLM layout, "
-                        "set generation.backend: auto or vllm")
+        raise UserError(
+            "generation.backend: 'transformers'; mem-probe --estimate plans the colocated vLLM layout, "
+            "set generation.backend: auto or vllm"
+        )
     if resolved.device != "cuda":
         raise UserError("--gpus: mem-probe --estimate plans a GPU run; pass --gpus N with N ≥ 1")
     lay = layout_for(resolved.recipe.model.name)
     n, world, tp, h = lay.params, resolved.world_size, g.tensor_parallel_size, lay.hidden
     if lay.heads % tp:
-        raise UserError(f"generation.tensor_parallel_size: {tp} does not divide the model's {lay.heads} attention "
-                        "heads (vLLM needs that); choose a divisor of the head count")
-    blocks = lambda tokens: -(-tokens // KV_BLOCK) * KV_BLOCK  # noqa: E731
+        raise UserError(
+            f"generation.tensor_parallel_size: {tp} does not divide the model's {lay.heads} attention "
+            "heads (vLLM needs that); choose a divisor of the head count"
+        )
+
+    def blocks(tokens):
+        return -(-tokens // KV_BLOCK) * KV_BLOCK
+
     # Sequences: generation.max_model_length bounds prompt + completion; without it the prompt length is assumed.
     comp, mml = t.max_completion_length, g.max_model_length
     prompt = prompt_tokens or (mml - comp if mml else ASSUMED_PROMPT_TOKENS)
     seq = min(prompt + comp, mml or prompt + comp)
     max_len = mml or lay.max_positions  # vLLM refuses to start without KV room for one sequence this long
     gbs, steps = t.extra_args.get("generation_batch_size"), t.extra_args.get("steps_per_generation")
-    per_rank = gbs // world if isinstance(gbs, int) else t.per_device_train_batch_size * (
-        steps if isinstance(steps, int) else t.gradient_accumulation_steps)
+    per_rank = (
+        gbs // world
+        if isinstance(gbs, int)
+        else t.per_device_train_batch_size * (steps if isinstance(steps, int) else t.gradient_accumulation_steps)
+    )
     seqs = per_rank * tp  # TRL gathers the prompts of a TP group: each engine generates for all of its ranks
     kv_token = 2 * lay.layers * -(-lay.kv_heads // tp) * lay.hd * 2  # K and V, bf16, this rank's KV heads
     kv_gib = max(seqs * blocks(seq), blocks(max_len)) * kv_token / GIB
@@ -231,8 +268,9 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
     live = zero.get("stage3_max_live_parameters", 10**9)
     gather = 2 * min(live if isinstance(live, int) else 10**9, n) if stage == 3 else 0
     largest = 2 * lay.vocab * h
-    sync_gather = 0 if stage != 3 else largest if g.engine == "trl" else max(
-        largest, min(g.weight_sync_bucket_mb * 2**20, 2 * n))
+    sync_gather = (
+        0 if stage != 3 else largest if g.engine == "trl" else max(largest, min(g.weight_sync_bucket_mb * 2**20, 2 * n))
+    )
     # generation.offload_trainer_during_generation: DeepSpeed's optimizer states, fp32 master weights and
     # gradients are on CPU while vLLM generates (colocate-rl's engine, after the weight push)
     off_gen = g.offload_trainer_during_generation and stage is not None
@@ -244,13 +282,15 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
         ("CUDA context", CUDA_CONTEXT_GIB * GIB, PHASES),
         ("NCCL communicators (trainer and vLLM)", NCCL_GIB * GIB if world > 1 else 0, PHASES),
         ("trainer weights", weights, PHASES),
-        ("trainer gradients", grads, not_generating), ("reference model", ref, PHASES),
+        ("trainer gradients", grads, not_generating),
+        ("reference model", ref, PHASES),
         ("optimizer states" + (" (AdamW)" if stage is None else " (fp32 master + Adam)"), opt, not_generating),
         ("optimizer step buffers", step, ["optimizer step"]),
         ("activations" + (" (checkpointed)" if resolved.gradient_checkpointing else ""), act, ["training"]),
         ("logits", logits, ["training"]),
         ("ZeRO-3 gathered params", gather, ["training"]),
-        ("ZeRO-3 gathered params", sync_gather, ["weight sync"])]:
+        ("ZeRO-3 gathered params", sync_gather, ["weight sync"]),
+    ]:
         if value:
             terms.setdefault(name, {}).update({ph: value / GIB for ph in phases})
     # torch's allocator keeps backward's blocks reserved through the optimizer step (nothing empties the cache in
@@ -258,7 +298,8 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
     trainer = {ph: sum(v.get(ph, 0.0) for v in terms.values()) for ph in PHASES}
     if trainer["training"] > trainer["optimizer step"]:
         terms["allocator cache kept from backward"] = {
-            "optimizer step": trainer["training"] - trainer["optimizer step"]}
+            "optimizer step": trainer["training"] - trainer["optimizer step"]
+        }
     # sleep level 1 copies vLLM's weights to CPU memory and level 2 drops them: on the GPU both leave the residue
     awake = PHASES if not g.sleep_level else ("generation",)
     fixed = {ph: sum(v.get(ph, 0.0) for v in terms.values()) for ph in PHASES}
@@ -275,32 +316,58 @@ def estimate(resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Esti
         for name, value in zip(SHARE_TERMS, share) if ph in awake else asleep.items():
             terms.setdefault(name, {})[ph] = value
         fixed[ph] += 0 if ph in awake else sum(asleep.values())
-    kv = dict(sequences=seqs, tokens=blocks(seq), prompt_tokens=seq - comp, completion_tokens=comp,
-              bytes_per_token=kv_token, gib=kv_gib, max_model_len=max_len)
-    notes = [] if mml or prompt_tokens else [f"prompt length assumed to be {ASSUMED_PROMPT_TOKENS} tokens (no "
-                                             "generation.max_model_length); --prompt-tokens sets it"]
+    kv = dict(
+        sequences=seqs,
+        tokens=blocks(seq),
+        prompt_tokens=seq - comp,
+        completion_tokens=comp,
+        bytes_per_token=kv_token,
+        gib=kv_gib,
+        max_model_len=max_len,
+    )
+    notes = (
+        []
+        if mml or prompt_tokens
+        else [
+            f"prompt length assumed to be {ASSUMED_PROMPT_TOKENS} tokens (no "
+            "generation.max_model_length); --prompt-tokens sets it"
+        ]
+    )
     if kv_budget is not None:
-        notes.append(f"generation.kv_cache_memory sets vLLM's KV pool to {kv_budget:.2f} GiB (a generation batch "
-                     f"needs {kv_gib:.2f}): its share is weights + KV + allowance = {vllm_share:.2f} GiB, whatever "
-                     "vllm_gpu_memory_utilization says")
+        notes.append(
+            f"generation.kv_cache_memory sets vLLM's KV pool to {kv_budget:.2f} GiB (a generation batch "
+            f"needs {kv_gib:.2f}): its share is weights + KV + allowance = {vllm_share:.2f} GiB, whatever "
+            "vllm_gpu_memory_utilization says"
+        )
     if off_gen:
-        notes.append("generation.offload_trainer_during_generation: optimizer states and gradients are on CPU "
-                     "while vLLM generates (not counted in generation)")
+        notes.append(
+            "generation.offload_trainer_during_generation: optimizer states and gradients are on CPU "
+            "while vLLM generates (not counted in generation)"
+        )
     # Host memory per node for what lives on the CPU (ranks on a node × each rank's part). H200, 7B on one GPU with
     # optimizer offload: 113.5 GiB estimated, 152 GiB in use on the host (processes, libraries and buffers on top).
     ranks = resolved.nproc_per_node
-    host = {"offloaded optimizer (fp32 master + Adam + fp32 gradients)":
-            ((12 if p == 2 else 8) + 4) * n / world * ranks if stage is not None and off_opt else 0,
-            "offloaded parameters": p * n / world * ranks if stage == 3 and off_par else 0,
-            "trainer states during generation (offload_trainer_during_generation)":
-            (opt + grads) * ranks if off_gen else 0,
-            "vLLM weights while asleep (sleep level 1)": vllm_w * GIB * ranks if g.sleep_level == 1 else 0}
+    host = {
+        "offloaded optimizer (fp32 master + Adam + fp32 gradients)": ((12 if p == 2 else 8) + 4) * n / world * ranks
+        if stage is not None and off_opt
+        else 0,
+        "offloaded parameters": p * n / world * ranks if stage == 3 and off_par else 0,
+        "trainer states during generation (offload_trainer_during_generation)": (opt + grads) * ranks if off_gen else 0,
+        "vLLM weights while asleep (sleep level 1)": vllm_w * GIB * ranks if g.sleep_level == 1 else 0,
+    }
     host = {k: v / GIB for k, v in host.items() if v}
     return Estimate(resolved, lay, gpu_gib, terms, fixed, awake, need, kv, notes, kv_budget, host)
 
 
-CHANGES = ("sleep on", "gradient checkpointing", "ZeRO-3", "optimizer offload", "param offload", "TP",
-           "shorter completions")  # tried in this order (cheapest first) when a recipe does not fit
+CHANGES = (
+    "sleep on",
+    "gradient checkpointing",
+    "ZeRO-3",
+    "optimizer offload",
+    "param offload",
+    "TP",
+    "shorter completions",
+)  # tried in this order (cheapest first) when a recipe does not fit
 
 
 def _alternatives(name: str, e: Estimate) -> list[dict[str, Any]]:
@@ -320,12 +387,20 @@ def _alternatives(name: str, e: Estimate) -> list[dict[str, Any]]:
         to_3 = to_ds or ({} if stage == 3 else {"distributed.zero_stage": 3})
         return [] if off_par else [{**to_3, "distributed.offload_params": True}]
     if name == "TP":
-        return [{"generation.tensor_parallel_size": s} for s in (2, 4, 8, 16) if s > g.tensor_parallel_size
-                and e.resolved.nproc_per_node % s == 0 and e.layout.heads % s == 0]
+        return [
+            {"generation.tensor_parallel_size": s}
+            for s in (2, 4, 8, 16)
+            if s > g.tensor_parallel_size and e.resolved.nproc_per_node % s == 0 and e.layout.heads % s == 0
+        ]
     c0, mml = t.max_completion_length, g.max_model_length  # shorter completions: max_model_length shrinks with
-    return [{"trainer.max_completion_length": c,  # them, so the prompt keeps its room
-             **({"generation.max_model_length": mml - c0 + c} if mml else {})}
-            for c in (c0 >> k for k in range(1, 12)) if c >= 32]
+    return [
+        {
+            "trainer.max_completion_length": c,  # them, so the prompt keeps its room
+            **({"generation.max_model_length": mml - c0 + c} if mml else {}),
+        }
+        for c in (c0 >> k for k in range(1, 12))
+        if c >= 32
+    ]
 
 
 @dataclass
@@ -376,11 +451,13 @@ def _search_changes(base: Estimate, attempt: Callable[[dict[str, Any]], Estimate
     return groups, final
 
 
-def recommend(resolve_with: Callable[[dict[str, Any]], Any], gpu_gib: float,
-              prompt_tokens: int | None = None) -> Recommendation:
+def recommend(
+    resolve_with: Callable[[dict[str, Any]], Any], gpu_gib: float, prompt_tokens: int | None = None
+) -> Recommendation:
     """Estimate the recipe (`resolve_with(overrides)` resolves it with dotted-key overrides, or raises UserError)
     and recommend a vLLM share. Offload the recipe asks for is kept (a note says when it looks unneeded); when
     the recipe does not fit, the first of CHANGES that fits alone, else CHANGES together minus those not needed."""
+
     def attempt(changes: dict[str, Any]) -> Estimate | None:
         try:
             return estimate(resolve_with(changes), gpu_gib, prompt_tokens)
@@ -396,18 +473,24 @@ def recommend(resolve_with: Callable[[dict[str, Any]], Any], gpu_gib: float,
     if final is not None and final.resolved.recipe.generation.sleep_level:
         e = attempt({**_merged(groups), "generation.sleep_level": 0})
         if e is not None and e.fits:
-            notes.append(f"sleep mode off would also fit (vLLM share {e.chosen:.2f}); it saves the wake, sleep and "
-                         "weight push of every step")
-    for key, i, label in (("distributed.offload_params", 3, "param offload"),
-                          ("distributed.offload_optimizer", 2, "optimizer offload")):
+            notes.append(
+                f"sleep mode off would also fit (vLLM share {e.chosen:.2f}); it saves the wake, sleep and "
+                "weight push of every step"
+            )
+    for key, i, label in (
+        ("distributed.offload_params", 3, "param offload"),
+        ("distributed.offload_optimizer", 2, "optimizer offload"),
+    ):
         # Offload the recipe asks for is kept (ZeRO-3 estimates run low, see README); only say when it looks
         # unnecessary, so the user can confirm by measuring.
         if final is not None and zero_of(final.resolved)[i]:
             e = attempt({**_merged(groups), key: False})
             if e is not None and e.fits:
-                notes.append(f"{label} off would also fit by this estimate (vLLM share {e.chosen:.2f}, peak "
-                             f"{e.peak(e.chosen)[1]:.1f} GiB); "
-                             "ZeRO-3 estimates run low, so confirm on the GPU before dropping it")
+                notes.append(
+                    f"{label} off would also fit by this estimate (vLLM share {e.chosen:.2f}, peak "
+                    f"{e.peak(e.chosen)[1]:.1f} GiB); "
+                    "ZeRO-3 estimates run low, so confirm on the GPU before dropping it"
+                )
     changes = _merged(groups)
     if final is not None and final.kv_budget_gib is None:  # with kv_cache_memory the share is not a setting
         changes["generation.vllm_gpu_memory_utilization"] = final.chosen
@@ -418,19 +501,39 @@ def summary(e: Estimate, util: float | None = None) -> dict[str, Any]:
     """One estimate at a vLLM share (default the recipe's) as plain data, GiB rounded to 3 decimals."""
     util = e.util if util is None else util
     peak_phase, peak = e.peak(util)
-    return {"vllm_gpu_memory_utilization": util, "phases": {p: round(e.total(p, util), 3) for p in PHASES},
-            "peak": {"phase": peak_phase, "gib": round(peak, 3)}, "fits": e.fits,
-            "window": {"lower": round(e.lower, 4), "upper": round(e.upper, 4), "upper_phase": e.upper_phase,
-                       "chosen": e.chosen, "margin": MARGIN},
-            "kv": {**e.kv, "gib": round(e.kv["gib"], 3), "max_sequences": e.max_seqs(util)},
-            "host_gib_per_node": round(e.host_gib, 3), "host_terms": {k: round(v, 3) for k, v in e.host.items()}}
+    return {
+        "vllm_gpu_memory_utilization": util,
+        "phases": {p: round(e.total(p, util), 3) for p in PHASES},
+        "peak": {"phase": peak_phase, "gib": round(peak, 3)},
+        "fits": e.fits,
+        "window": {
+            "lower": round(e.lower, 4),
+            "upper": round(e.upper, 4),
+            "upper_phase": e.upper_phase,
+            "chosen": e.chosen,
+            "margin": MARGIN,
+        },
+        "kv": {**e.kv, "gib": round(e.kv["gib"], 3), "max_sequences": e.max_seqs(util)},
+        "host_gib_per_node": round(e.host_gib, 3),
+        "host_terms": {k: round(v, 3) for k, v in e.host.items()},
+    }
 
 
 def to_json(rec: Recommendation) -> dict[str, Any]:
     """The whole result for `--json`: terms (at the recipe's share), phases, window, recommendation."""
     b, f = rec.base, rec.final
-    return {"model": {"name": b.resolved.recipe.model.name, "params": b.layout.params, "layout": asdict(b.layout)},
-            "gpu_memory_gib": b.gpu_gib, "world_size": b.resolved.world_size, **summary(b),
-            "terms": {k: {p: round(v, 3) for p, v in row.items()} for k, row in b.terms.items()}, "notes": b.notes,
-            "recommendation": {"fits": f is not None, "changes": rec.changes, "applied": rec.applied,
-                               "notes": rec.notes, **({"estimate": summary(f, f.chosen)} if f else {})}}
+    return {
+        "model": {"name": b.resolved.recipe.model.name, "params": b.layout.params, "layout": asdict(b.layout)},
+        "gpu_memory_gib": b.gpu_gib,
+        "world_size": b.resolved.world_size,
+        **summary(b),
+        "terms": {k: {p: round(v, 3) for p, v in row.items()} for k, row in b.terms.items()},
+        "notes": b.notes,
+        "recommendation": {
+            "fits": f is not None,
+            "changes": rec.changes,
+            "applied": rec.applied,
+            "notes": rec.notes,
+            **({"estimate": summary(f, f.chosen)} if f else {}),
+        },
+    }

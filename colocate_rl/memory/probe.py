@@ -22,9 +22,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from colocate_rl.memory.estimate import PHASES
 
@@ -113,13 +114,20 @@ class ProbeAborted(Exception):
 
 # --------------------------------------------------------------------------------------------- bisection
 
+
 def _decimals(resolution: float) -> int:
     """Decimals of the grid: 0.01 → 2, 0.005 → 3."""
     return len(f"{resolution:.10f}".rstrip("0").partition(".")[2])
 
 
-def bisect(trial: Callable[[float], TrialResult], lower: float, upper: float, resolution: float = 0.01,
-           start: float | None = None, margin: float = 0.02) -> ProbeResult:
+def bisect(
+    trial: Callable[[float], TrialResult],
+    lower: float,
+    upper: float,
+    resolution: float = 0.01,
+    start: float | None = None,
+    margin: float = 0.02,
+) -> ProbeResult:
     """The largest share in [lower, upper] (on a grid of `resolution`) whose trial completes. Trials are taken at
     `start` first (default the middle); when that is too high, 2, 4 and 8 grid steps below it until one is not (the
     start is the estimate's largest share, so the answer is usually near it); then halfway between the largest
@@ -132,7 +140,10 @@ def bisect(trial: Callable[[float], TrialResult], lower: float, upper: float, re
     if lo > hi:
         raise ValueError(f"no share on the {resolution:g} grid between {lower:.3f} and {upper:.3f}")
     digits = _decimals(resolution)
-    util = lambda i: round(i * resolution, digits)  # noqa: E731
+
+    def util(i):
+        return round(i * resolution, digits)
+
     bad_low, bad_high = lo - 1, hi + 1  # exclusive bounds, grid indices
     passed: set[int] = set()
     trials: list[TrialResult] = []
@@ -153,13 +164,17 @@ def bisect(trial: Callable[[float], TrialResult], lower: float, upper: float, re
         if result.ok:
             passed.add(nxt)
             if nxt <= bad_low:
-                notes.append(f"{util(nxt)} completed although {util(bad_low)} had too little KV cache; results are "
-                             "not monotonic (another process on the GPU?)")
+                notes.append(
+                    f"{util(nxt)} completed although {util(bad_low)} had too little KV cache; results are "
+                    "not monotonic (another process on the GPU?)"
+                )
                 bad_low = nxt - 1
         elif result.outcome in TOO_HIGH:
             if any(i >= nxt for i in passed):
-                notes.append(f"{util(nxt)} failed ({result.outcome}) although a share as large completed; results "
-                             "are not monotonic (another process on the GPU?)")
+                notes.append(
+                    f"{util(nxt)} failed ({result.outcome}) although a share as large completed; results "
+                    "are not monotonic (another process on the GPU?)"
+                )
             bad_high = min(bad_high, nxt)
         elif result.outcome in TOO_LOW:
             bad_low = max(bad_low, nxt)
@@ -175,18 +190,22 @@ def bisect(trial: Callable[[float], TrialResult], lower: float, upper: float, re
         # A smaller share leaves the trainer more room, down to the estimate's lower bound (vLLM's weights and one
         # batch's KV cache); once a trial had too little KV cache that bound is wrong: stay at a share that passed.
         floor_ok = good[0] if bad_low >= lo else lo
-        recommended = max(util(floor_ok), round(math.floor(round((largest - margin) / resolution, 6)) * resolution,
-                                                digits))
+        recommended = max(
+            util(floor_ok), round(math.floor(round((largest - margin) / resolution, 6)) * resolution, digits)
+        )
         if good[-1] == hi:
             notes.append(f"the top of the window ({util(hi)}) completed: larger shares were not tried")
     else:
-        notes.append("no share in the window completed the steps" + (
-            f": {util(bad_high)} is too high" if bad_high <= hi else "") + (
-            f", {util(bad_low)} too low" if bad_low >= lo else ""))
+        notes.append(
+            "no share in the window completed the steps"
+            + (f": {util(bad_high)} is too high" if bad_high <= hi else "")
+            + (f", {util(bad_low)} too low" if bad_low >= lo else "")
+        )
     return ProbeResult(trials, util(lo), util(hi), resolution, margin, largest, smallest, recommended, notes)
 
 
 # ---------------------------------------------------------------------------------------- classification
+
 
 def classify_failure(text: str) -> tuple[str, str]:
     """(outcome, the log line) of the earliest known failure in `text`; (FAILED, '') when none is recognised."""
@@ -200,10 +219,11 @@ def classify_failure(text: str) -> tuple[str, str]:
     pos, outcome = min(found)
     line_start = text.rfind("\n", 0, pos) + 1
     line_end = text.find("\n", pos)
-    return outcome, text[line_start: line_end if line_end >= 0 else len(text)].strip()[:400]
+    return outcome, text[line_start : line_end if line_end >= 0 else len(text)].strip()[:400]
 
 
 # ------------------------------------------------------------------------------------------- phase peaks
+
 
 def _rank_peaks(lines: list[dict[str, Any]], skip_first: bool) -> tuple[dict[str, float], dict[str, float]]:
     records = [r for r in lines if "rank" not in r]
@@ -214,8 +234,14 @@ def _rank_peaks(lines: list[dict[str, Any]], skip_first: bool) -> tuple[dict[str
         if "phase" not in r:
             continue
         if r.get("edge") == "start":
-            intervals.append({"name": r["phase"], "start": i, "end": len(records) - 1,  # unclosed: a crash
-                              "parent": stack[-1] if stack else None})
+            intervals.append(
+                {
+                    "name": r["phase"],
+                    "start": i,
+                    "end": len(records) - 1,  # unclosed: a crash
+                    "parent": stack[-1] if stack else None,
+                }
+            )
             stack.append(len(intervals) - 1)
         elif r.get("edge") == "end":
             while stack:
@@ -235,15 +261,24 @@ def _rank_peaks(lines: list[dict[str, Any]], skip_first: bool) -> tuple[dict[str
         iv = intervals[k]
         first = iv["start"] + 1
         if iv["name"] in STARTS_AT_CHILD:
-            first = next((intervals[c]["start"] for c in children.get(k, [])
-                          if intervals[c]["name"] == STARTS_AT_CHILD[iv["name"]]), first)
+            first = next(
+                (
+                    intervals[c]["start"]
+                    for c in children.get(k, [])
+                    if intervals[c]["name"] == STARTS_AT_CHILD[iv["name"]]
+                ),
+                first,
+            )
         skip = set()
         if keep is not None:
             for c in children.get(k, []):
                 if intervals[c]["name"] not in keep:
                     skip.update(range(intervals[c]["start"] + 1, intervals[c]["end"]))  # a child's edges count
-        values = [records[i]["mem"] for i in range(max(first, cut + 1), iv["end"] + 1)
-                  if i not in skip and isinstance(records[i].get("mem"), (int, float))]
+        values = [
+            records[i]["mem"]
+            for i in range(max(first, cut + 1), iv["end"] + 1)
+            if i not in skip and isinstance(records[i].get("mem"), (int, float))
+        ]
         return max(values) if values else None
 
     mapped: dict[str, float] = {}
@@ -286,12 +321,23 @@ def phase_peaks(run_dir: Path, skip_first: bool = True) -> tuple[dict[str, float
 
 # ---------------------------------------------------------------------------------------------- one trial
 
-def trial_command(recipe: str | Path, util: float, run_dir: Path, steps: int, sets: list[str] | None = None,
-                  python: str = sys.executable) -> list[str]:
+
+def trial_command(
+    recipe: str | Path,
+    util: float,
+    run_dir: Path,
+    steps: int,
+    sets: list[str] | None = None,
+    python: str = sys.executable,
+) -> list[str]:
     """`python -m colocate_rl train RECIPE --run-dir DIR --set ...`: the user's overrides, then the probe's."""
     argv = [python, "-m", "colocate_rl", "train", str(recipe), "--run-dir", str(run_dir)]
-    for item in [*(sets or []), f"generation.vllm_gpu_memory_utilization={util:g}", f"trainer.max_steps={steps}",
-                 *TRIAL_SETS]:
+    for item in [
+        *(sets or []),
+        f"generation.vllm_gpu_memory_utilization={util:g}",
+        f"trainer.max_steps={steps}",
+        *TRIAL_SETS,
+    ]:
         argv += ["--set", item]
     return argv
 
@@ -361,9 +407,17 @@ def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def run_trial(recipe: str | Path, util: float, run_dir: Path, steps: int, sets: list[str] | None = None,
-              timeout_s: float = 900, python: str = sys.executable, cwd: Path | None = None,
-              env: dict[str, str] | None = None) -> TrialResult:
+def run_trial(
+    recipe: str | Path,
+    util: float,
+    run_dir: Path,
+    steps: int,
+    sets: list[str] | None = None,
+    timeout_s: float = 900,
+    python: str = sys.executable,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> TrialResult:
     """Train `recipe` for `steps` steps at share `util` in `run_dir` (must not exist); classify the outcome and
     read the per-phase peaks. `train`'s own output goes to `<run_dir>.out` beside the run directory."""
     from colocate_rl.launch.execute import LOG_FILE, read_metrics
@@ -374,12 +428,22 @@ def run_trial(recipe: str | Path, util: float, run_dir: Path, steps: int, sets: 
     argv = trial_command(recipe, util, run_dir, steps, sets, python)
     begin = time.monotonic()
     with out_path.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=cwd, env={**os.environ, "COLUMNS": "200", **(env or {})})
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=cwd,
+            env={**os.environ, "COLUMNS": "200", **(env or {})},
+        )
         timed_out = _wait(proc, timeout_s)
     seconds = round(time.monotonic() - begin, 1)
-    done = {r["step"] for r in read_metrics(run_dir) if isinstance(r.get("step"), int)
-            and ("reward" in r or "loss" in r) and "train_runtime" not in r}
+    done = {
+        r["step"]
+        for r in read_metrics(run_dir)
+        if isinstance(r.get("step"), int) and ("reward" in r or "loss" in r) and "train_runtime" not in r
+    }
     steps_done = max(done, default=0)
     log = (run_dir / LOG_FILE).read_text(errors="replace") if (run_dir / LOG_FILE).exists() else ""
     printed = out_path.read_text(errors="replace")
@@ -392,8 +456,10 @@ def run_trial(recipe: str | Path, util: float, run_dir: Path, steps: int, sets: 
         if outcome == FAILED:
             outcome, line = classify_failure(printed)
         result.outcome = outcome
-        result.detail = line or (f"exit code {proc.returncode} after {steps_done} of {steps} steps; see "
-                                 f"{run_dir / LOG_FILE if log else out_path}")
+        result.detail = line or (
+            f"exit code {proc.returncode} after {steps_done} of {steps} steps; see "
+            f"{run_dir / LOG_FILE if log else out_path}"
+        )
     if not result.ok:
         result.log_tail = _tail(log or printed)
     return result
@@ -401,15 +467,27 @@ def run_trial(recipe: str | Path, util: float, run_dir: Path, steps: int, sets: 
 
 # -------------------------------------------------------------------------------------- the whole probe
 
+
 def trial_name(k: int, util: float) -> str:
     return f"trial-{k}-util{util:g}"
 
 
-def run_probe(recipe: str | Path, sets: list[str], lower: float, upper: float, start: float | None,
-              probe_dir: Path, steps: int = 3, resolution: float = 0.01, margin: float = 0.02,
-              timeout_s: float = 900, on_trial: Callable[[int, TrialResult], None] | None = None,
-              on_start: Callable[[int, float], None] | None = None, cwd: Path | None = None,
-              env: dict[str, str] | None = None) -> ProbeResult:
+def run_probe(
+    recipe: str | Path,
+    sets: list[str],
+    lower: float,
+    upper: float,
+    start: float | None,
+    probe_dir: Path,
+    steps: int = 3,
+    resolution: float = 0.01,
+    margin: float = 0.02,
+    timeout_s: float = 900,
+    on_trial: Callable[[int, TrialResult], None] | None = None,
+    on_start: Callable[[int, float], None] | None = None,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> ProbeResult:
     """Bisect the share with real trials of `recipe` (+ `sets`) in `probe_dir/trial-<k>-util<U>`."""
     count = 0
 
@@ -418,8 +496,9 @@ def run_probe(recipe: str | Path, sets: list[str], lower: float, upper: float, s
         count += 1
         if on_start:
             on_start(count, util)
-        result = run_trial(recipe, util, Path(probe_dir) / trial_name(count, util), steps, sets, timeout_s,
-                           cwd=cwd, env=env)
+        result = run_trial(
+            recipe, util, Path(probe_dir) / trial_name(count, util), steps, sets, timeout_s, cwd=cwd, env=env
+        )
         if on_trial:
             on_trial(count, result)
         return result
@@ -432,13 +511,20 @@ def comparison(estimated: dict[str, float], measured: dict[str, float]) -> list[
     rows = []
     for phase in PHASES:
         e, m = estimated.get(phase), measured.get(phase)
-        rows.append({"phase": phase, "estimate_gib": None if e is None else round(e, 3), "measured_gib": m,
-                     "error_pct": round((e - m) / m * 100, 1) if e is not None and m else None})
+        rows.append(
+            {
+                "phase": phase,
+                "estimate_gib": None if e is None else round(e, 3),
+                "measured_gib": m,
+                "error_pct": round((e - m) / m * 100, 1) if e is not None and m else None,
+            }
+        )
     return rows
 
 
-def peak_at_share(measured: dict[str, float], util: float, target: float,
-                  estimate_at: Callable[[float], dict[str, float]]) -> float | None:
+def peak_at_share(
+    measured: dict[str, float], util: float, target: float, estimate_at: Callable[[float], dict[str, float]]
+) -> float | None:
     """The peak over phases of a trial measured at share `util`, moved to share `target`: each phase's measurement
     plus the estimate's change of that phase between the two shares (only vLLM's share term depends on the share,
     and vLLM takes exactly its share). None when nothing was measured."""
@@ -453,9 +539,13 @@ def to_json(result: ProbeResult, estimate_at: Callable[[float], dict[str, float]
     best = result.best_trial()
     out: dict[str, Any] = {
         "window": {"lower": result.lower, "upper": result.upper, "resolution": result.resolution},
-        "margin": result.margin, "largest_passing": result.largest, "smallest_passing": result.smallest,
-        "recommended": result.recommended, "notes": result.notes,
-        "trials": [t.record() for t in result.trials]}
+        "margin": result.margin,
+        "largest_passing": result.largest,
+        "smallest_passing": result.smallest,
+        "recommended": result.recommended,
+        "notes": result.notes,
+        "trials": [t.record() for t in result.trials],
+    }
     if best is not None and estimate_at is not None:
         out["phases"] = comparison(estimate_at(best.util), best.peaks)
     return out
@@ -468,8 +558,14 @@ def trials_table(trials: list[TrialResult]):
     for col in ("#", "share", "result", "seconds", "steps", *PHASES):
         table.add_column(col, justify="left" if col == "result" else "right")
     for k, t in enumerate(trials, 1):
-        table.add_row(str(k), f"{t.util:g}", t.outcome if t.ok else f"[red]{t.outcome}[/]", f"{t.seconds:.0f}",
-                      str(t.steps), *(f"{t.peaks[p]:.2f}" if p in t.peaks else "" for p in PHASES))
+        table.add_row(
+            str(k),
+            f"{t.util:g}",
+            t.outcome if t.ok else f"[red]{t.outcome}[/]",
+            f"{t.seconds:.0f}",
+            str(t.steps),
+            *(f"{t.peaks[p]:.2f}" if p in t.peaks else "" for p in PHASES),
+        )
     return table
 
 
@@ -479,8 +575,15 @@ def comparison_table(rows: list[dict[str, Any]], util: float):
     table = Table(title=f"measured vs estimated peak per GPU (GiB) at share {util:g}")
     for col in ("phase", "estimate", "measured", "estimate error"):
         table.add_column(col, justify="left" if col == "phase" else "right")
-    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+
+    def fmt(v, f):
+        return "" if v is None else format(v, f)
+
     for r in rows:
-        table.add_row(r["phase"], fmt(r["estimate_gib"], ".2f"), fmt(r["measured_gib"], ".2f"),
-                      "" if r["error_pct"] is None else f"{r['error_pct']:+.1f} %")
+        table.add_row(
+            r["phase"],
+            fmt(r["estimate_gib"], ".2f"),
+            fmt(r["measured_gib"], ".2f"),
+            "" if r["error_pct"] is None else f"{r['error_pct']:+.1f} %",
+        )
     return table

@@ -30,7 +30,10 @@ def zero_settings(config: dict[str, Any] | None) -> tuple[dict[str, Any], int | 
     """A DeepSpeed config's ZeRO section, its stage (None without DeepSpeed), and whether optimizer states / params
     are offloaded."""
     zero = (config or {}).get("zero_optimization", {})
-    off = lambda key: (zero.get(key) or {}).get("device", "none") not in ("none", None)  # noqa: E731
+
+    def off(key):
+        return (zero.get(key) or {}).get("device", "none") not in ("none", None)
+
     return zero, (zero.get("stage", 0) if config else None), off("offload_optimizer"), off("offload_param")
 
 
@@ -79,8 +82,10 @@ def build_deepspeed_config(
     problems = []
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if "offload_param" in config.get("zero_optimization", {}) and stage != 3:
-        problems.append(f"distributed.offload_params: parameter offload needs ZeRO stage 3 (stage is {stage}); "
-                        "set distributed.zero_stage: 3 or offload_params: false")
+        problems.append(
+            f"distributed.offload_params: parameter offload needs ZeRO stage 3 (stage is {stage}); "
+            "set distributed.zero_stage: 3 or offload_params: false"
+        )
     for name in ("bf16", "fp16"):
         enabled = config.get(name, {}).get("enabled", False)
         wanted = precision == name

@@ -57,7 +57,10 @@ def _gpus_from_smi() -> tuple[Gpu, ...]:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20, check=True,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return ()
@@ -100,5 +103,9 @@ def detect_host() -> Host:
 
 def assumed_host(gpus: int, memory_gib: float = 80.0, cpu_count: int = 32) -> Host:
     """A host described on the command line (`--gpus N`): N GPUs with vLLM, e.g. a login node planning a job."""
-    return Host(gpus=tuple(Gpu("assumed GPU", memory_gib) for _ in range(gpus)), has_vllm=gpus > 0,
-                cpu_count=cpu_count, assumed=True)
+    return Host(
+        gpus=tuple(Gpu("assumed GPU", memory_gib) for _ in range(gpus)),
+        has_vllm=gpus > 0,
+        cpu_count=cpu_count,
+        assumed=True,
+    )

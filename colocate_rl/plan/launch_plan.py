@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from colocate_rl.plan.sources import IDENTITY_FILE, NODE_RANK_ENV, NODES_DIR, RECIPE_HASH_ENV, identity_hash, recipe_identity
-from colocate_rl.recipe.schema import dump_recipe, parse_size
 from colocate_rl.plan.resolve import Resolved
+from colocate_rl.plan.sources import (
+    IDENTITY_FILE,
+    NODE_RANK_ENV,
+    NODES_DIR,
+    RECIPE_HASH_ENV,
+    identity_hash,
+    recipe_identity,
+)
+from colocate_rl.recipe.schema import dump_recipe, parse_size
 
 WORKER_MODULE = "colocate_rl.worker"  # the entry point every launch.sh names: keep it stable
 
@@ -123,16 +131,31 @@ def rank_env(resolved: Resolved, base_env: Mapping[str, str], cache_dir: Path) -
 def torchrun_argv(resolved: Resolved, run_dir: Path, python: str) -> list[str]:
     """`python -m torch.distributed.run` (torchrun) with the node/rendezvous flags, then the worker."""
     dist = resolved.recipe.distributed
-    argv = [python, "-m", "torch.distributed.run", "--nnodes", str(dist.nnodes),
-            "--nproc-per-node", str(resolved.nproc_per_node)]
+    argv = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(dist.nnodes),
+        "--nproc-per-node",
+        str(resolved.nproc_per_node),
+    ]
     if dist.nnodes == 1 and dist.rdzv_endpoint is None:
         argv.append("--standalone")
     elif dist.rdzv_backend == "static":
         host, _, port = dist.rdzv_endpoint.rpartition(":")
         argv += ["--node-rank", str(dist.node_rank), "--master-addr", host, "--master-port", port]
     else:
-        argv += ["--node-rank", str(dist.node_rank), "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", dist.rdzv_endpoint, "--rdzv-id", dist.rdzv_id]
+        argv += [
+            "--node-rank",
+            str(dist.node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            dist.rdzv_endpoint,
+            "--rdzv-id",
+            dist.rdzv_id,
+        ]
     if dist.nnodes > 1:  # per-rank logs of this node (its train.log gets the same lines, prefixed [defaultN]:)
         argv += ["--log-dir", str(run_dir / NODES_DIR / str(dist.node_rank) / "ranks"), "--tee", "3"]
     return argv + ["-m", WORKER_MODULE, str(run_dir)]
@@ -140,8 +163,12 @@ def torchrun_argv(resolved: Resolved, run_dir: Path, python: str) -> list[str]:
 
 def launch_script(argv: list[str], env: dict[str, str], cwd: Path) -> str:
     """`launch.sh`: the same launch, runnable by hand."""
-    lines = ["#!/usr/bin/env bash", "# Written by `colocate-rl train`: re-runs this launch by hand.",
-             "set -euo pipefail", f"cd {shlex.quote(str(cwd))}"]
+    lines = [
+        "#!/usr/bin/env bash",
+        "# Written by `colocate-rl train`: re-runs this launch by hand.",
+        "set -euo pipefail",
+        f"cd {shlex.quote(str(cwd))}",
+    ]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
     lines.append("exec " + shlex.join(argv))
     return "\n".join(lines) + "\n"
@@ -180,15 +207,18 @@ def make_plan(
     }
     if multi_node:
         # Shared by all nodes (each writes the same bytes, the first one wins): no node rank in it.
-        shared_recipe = ("# Shared by every node of this run; each node's rank comes from --node-rank or Slurm.\n"
-                         + dump_recipe(recipe, exclude={"distributed": {"node_rank"}}))
+        shared_recipe = (
+            "# Shared by every node of this run; each node's rank comes from --node-rank or Slurm.\n"
+            + dump_recipe(recipe, exclude={"distributed": {"node_rank"}})
+        )
         files = {
             "recipe.yaml": shared_recipe,
             "launch.json": json.dumps(launch, indent=2) + "\n",
             f"{node_dir}/launch.sh": launch_script(argv, env, cwd),
-            f"{node_dir}/{IDENTITY_FILE}": json.dumps({"node_rank": recipe.distributed.node_rank,
-                                                       "recipe_hash": recipe_hash, "identity": identity},
-                                                      indent=2) + "\n",
+            f"{node_dir}/{IDENTITY_FILE}": json.dumps(
+                {"node_rank": recipe.distributed.node_rank, "recipe_hash": recipe_hash, "identity": identity}, indent=2
+            )
+            + "\n",
         }
     else:
         files = {
@@ -202,7 +232,19 @@ def make_plan(
     if resolved.builtin_layout:
         # Built once per machine into the cache (a 7B layout takes minutes); the run dir's model/ links to it.
         key = f"{resolved.builtin_layout}-seed{recipe.trainer.seed}-{resolved.model_dtype}"
-        builtin = {"layout": resolved.builtin_layout, "out_dir": str(cache_dir / "builtin-models" / key),
-                   "seed": recipe.trainer.seed, "dtype": resolved.model_dtype, "link": str(run_dir / "model")}
-    return LaunchPlan(run_dir=run_dir, argv=argv, env=env, files=files, builtin_model=builtin, node_dir=node_dir,
-                      recipe_hash=recipe_hash)
+        builtin = {
+            "layout": resolved.builtin_layout,
+            "out_dir": str(cache_dir / "builtin-models" / key),
+            "seed": recipe.trainer.seed,
+            "dtype": resolved.model_dtype,
+            "link": str(run_dir / "model"),
+        }
+    return LaunchPlan(
+        run_dir=run_dir,
+        argv=argv,
+        env=env,
+        files=files,
+        builtin_model=builtin,
+        node_dir=node_dir,
+        recipe_hash=recipe_hash,
+    )

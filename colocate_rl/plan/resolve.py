@@ -56,7 +56,9 @@ class Resolved:
     deepspeed: dict[str, Any] | None
     builtin_layout: str | None  # set when model.name is builtin:<layout>
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing as resolved (auto → chosen)
-    layout_choice: Any = None  # colocate_rl.memory.autolayout.LayoutChoice when zero_stage or gradient_checkpointing is auto
+    layout_choice: Any = (
+        None  # colocate_rl.memory.autolayout.LayoutChoice when zero_stage or gradient_checkpointing is auto
+    )
 
     @property
     def world_size(self) -> int:
@@ -94,14 +96,18 @@ def _check_model(recipe: Recipe) -> tuple[str | None, list[str]]:
 
         layout = name.removeprefix("builtin:")
         if layout not in LAYOUTS:
-            return None, [f"model.name: unknown built-in layout '{layout}'; choose one of: "
-                          + ", ".join(f"builtin:{k}" for k in LAYOUTS)]
+            return None, [
+                f"model.name: unknown built-in layout '{layout}'; choose one of: "
+                + ", ".join(f"builtin:{k}" for k in LAYOUTS)
+            ]
         return layout, []
     path = Path(name).expanduser()
     looks_local = name.startswith((".", "/", "~")) or path.exists()
     if looks_local and not (path / "config.json").is_file():
-        return None, [f"model.name: '{name}' is not a model directory (no config.json); "
-                      "give a local model directory, a hub id, or builtin:tiny"]
+        return None, [
+            f"model.name: '{name}' is not a model directory (no config.json); "
+            "give a local model directory, a hub id, or builtin:tiny"
+        ]
     return None, []
 
 
@@ -112,8 +118,10 @@ def _check_data(recipe: Recipe) -> list[str]:
 
         task = source.removeprefix("builtin:")
         if task not in BUILTIN_TASKS:
-            return [f"data.source: unknown built-in task '{task}'; choose one of: "
-                    + ", ".join(f"builtin:{k}" for k in BUILTIN_TASKS)]
+            return [
+                f"data.source: unknown built-in task '{task}'; choose one of: "
+                + ", ".join(f"builtin:{k}" for k in BUILTIN_TASKS)
+            ]
         return []
     if source.endswith(DATA_SUFFIXES) and not Path(source).expanduser().is_file():
         return [f"data.source: file '{source}' not found; check the path (relative to the current directory)"]
@@ -132,8 +140,16 @@ def _check_rewards(recipe: Recipe) -> list[str]:
     return problems
 
 
-ENGINE_ONLY = ("kv_cache_memory", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-               "weight_sync_bucket_mb", "offload_trainer_during_generation", "check_weights")
+ENGINE_ONLY = (
+    "kv_cache_memory",
+    "enforce_eager",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "weight_sync_bucket_mb",
+    "offload_trainer_during_generation",
+    "check_weights",
+)
 
 
 def _check_engine(recipe: Recipe, deepspeed: dict[str, Any] | None) -> list[str]:
@@ -141,27 +157,37 @@ def _check_engine(recipe: Recipe, deepspeed: dict[str, Any] | None) -> list[str]
     gen, problems = recipe.generation, []
     if gen.engine == "trl":
         if gen.sleep_level == 1:
-            problems.append("generation.sleep_level: 1 is not supported by generation.engine: trl (TRL sleeps at "
-                            "level 2 only); use 0 or 2, or generation.engine: colocate-rl")
+            problems.append(
+                "generation.sleep_level: 1 is not supported by generation.engine: trl (TRL sleeps at "
+                "level 2 only); use 0 or 2, or generation.engine: colocate-rl"
+            )
         defaults = type(gen).model_fields
         for key in ENGINE_ONLY:
             if getattr(gen, key) != defaults[key].default:
-                problems.append(f"generation.{key}: only applies to generation.engine: colocate-rl (TRL's engine has "
-                                "fixed settings); remove it or set generation.engine: colocate-rl")
+                problems.append(
+                    f"generation.{key}: only applies to generation.engine: colocate-rl (TRL's engine has "
+                    "fixed settings); remove it or set generation.engine: colocate-rl"
+                )
     if gen.offload_trainer_during_generation:
         zero = (deepspeed or {}).get("zero_optimization", {})
         stage = zero.get("stage", 0)
         if deepspeed is None or stage == 0:
-            problems.append("generation.offload_trainer_during_generation: needs DeepSpeed ZeRO stage 1-3 (DeepSpeed's "
-                            "offload_states); set distributed.deepspeed: zero3 (and distributed.zero_stage) or turn it off")
+            problems.append(
+                "generation.offload_trainer_during_generation: needs DeepSpeed ZeRO stage 1-3 (DeepSpeed's "
+                "offload_states); set distributed.deepspeed: zero3 (and distributed.zero_stage) or turn it off"
+            )
         elif "offload_optimizer" in zero and zero["offload_optimizer"].get("device", "cpu") != "none":
-            problems.append("generation.offload_trainer_during_generation: the optimizer states already live on CPU "
-                            "(distributed.offload_optimizer); turn one of them off")
+            problems.append(
+                "generation.offload_trainer_during_generation: the optimizer states already live on CPU "
+                "(distributed.offload_optimizer); turn one of them off"
+            )
         elif stage == 3 and "optimizer" not in deepspeed:
-            problems.append("generation.offload_trainer_during_generation: under ZeRO-3 DeepSpeed 0.19 offloads only its "
-                            "own FusedAdam's states; add an optimizer block (distributed.deepspeed_overrides: "
-                            "{optimizer: {type: AdamW, params: {lr: auto, betas: auto, eps: auto, weight_decay: auto}}}) "
-                            "or use distributed.zero_stage: 2")
+            problems.append(
+                "generation.offload_trainer_during_generation: under ZeRO-3 DeepSpeed 0.19 offloads only its "
+                "own FusedAdam's states; add an optimizer block (distributed.deepspeed_overrides: "
+                "{optimizer: {type: AdamW, params: {lr: auto, betas: auto, eps: auto, weight_decay: auto}}}) "
+                "or use distributed.zero_stage: 2"
+            )
     return problems
 
 
@@ -176,18 +202,24 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
     else:
         nproc = dist.nproc_per_node
         if has_gpu and nproc > host.gpu_count:
-            problems.append(f"distributed.nproc_per_node: {nproc} ranks but this machine has {host.gpu_count} GPU(s); "
-                            "use auto or at most the GPU count")
+            problems.append(
+                f"distributed.nproc_per_node: {nproc} ranks but this machine has {host.gpu_count} GPU(s); "
+                "use auto or at most the GPU count"
+            )
 
     backend = gen.backend
     if backend == "auto":
         backend = "vllm" if has_gpu and host.has_vllm else "transformers"
     elif backend == "vllm" and not host.has_vllm:
-        problems.append("generation.backend: 'vllm' but vLLM is not installed here; install the GPU extra "
-                        "(pip install 'colocate-rl[gpu]') or set generation.backend: transformers (or auto)")
+        problems.append(
+            "generation.backend: 'vllm' but vLLM is not installed here; install the GPU extra "
+            "(pip install 'colocate-rl[gpu]') or set generation.backend: transformers (or auto)"
+        )
     elif backend == "vllm" and not has_gpu:
-        problems.append("generation.backend: 'vllm' needs a CUDA GPU and none was found; "
-                        "set generation.backend: auto to generate with transformers on CPU")
+        problems.append(
+            "generation.backend: 'vllm' needs a CUDA GPU and none was found; "
+            "set generation.backend: auto to generate with transformers on CPU"
+        )
 
     precision = dist.mixed_precision
     if precision == "auto":
@@ -199,8 +231,10 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
         model_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
 
     if nproc % gen.tensor_parallel_size:
-        problems.append(f"generation.tensor_parallel_size: {gen.tensor_parallel_size} does not divide "
-                        f"distributed.nproc_per_node ({nproc}); tensor-parallel groups must stay inside one node")
+        problems.append(
+            f"generation.tensor_parallel_size: {gen.tensor_parallel_size} does not divide "
+            f"distributed.nproc_per_node ({nproc}); tensor-parallel groups must stay inside one node"
+        )
 
     world = dist.nnodes * nproc
     extra = trainer.extra_args
@@ -216,16 +250,20 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
             f"num_generations ({trainer.num_generations}); change one of them"
         )
     if gen.max_model_length is not None and gen.max_model_length <= trainer.max_completion_length:
-        problems.append(f"generation.max_model_length: {gen.max_model_length} leaves no room for the prompt; "
-                        f"make it larger than trainer.max_completion_length ({trainer.max_completion_length})")
+        problems.append(
+            f"generation.max_model_length: {gen.max_model_length} leaves no room for the prompt; "
+            f"make it larger than trainer.max_completion_length ({trainer.max_completion_length})"
+        )
 
     if dist.nnodes > 1 and not dist.rdzv_endpoint:
         problems.append("distributed.rdzv_endpoint: required when nnodes > 1; set it to host:port of node 0")
     if dist.rdzv_endpoint is not None:
         rdzv_host, _, port = dist.rdzv_endpoint.rpartition(":")
         if not rdzv_host or not port.isdigit() or not 0 < int(port) < 65536:
-            problems.append(f"distributed.rdzv_endpoint: '{dist.rdzv_endpoint}' must be host:port with a port "
-                            "number, e.g. node0:29500")
+            problems.append(
+                f"distributed.rdzv_endpoint: '{dist.rdzv_endpoint}' must be host:port with a port "
+                "number, e.g. node0:29500"
+            )
     if dist.node_rank >= dist.nnodes:
         problems.append(f"distributed.node_rank: {dist.node_rank} must be below nnodes ({dist.nnodes})")
 
@@ -243,9 +281,11 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
 
         try:  # auto: checked at stage 3, where every setting applies; colocate_rl.memory.autolayout picks the stage below
             deepspeed = build_deepspeed_config(
-                dist.deepspeed or AUTO_BASE_CONFIG, precision=precision,
+                dist.deepspeed or AUTO_BASE_CONFIG,
+                precision=precision,
                 zero_stage=3 if auto_stage else dist.zero_stage,
-                offload_optimizer=dist.offload_optimizer, offload_params=dist.offload_params,
+                offload_optimizer=dist.offload_optimizer,
+                offload_params=dist.offload_params,
                 overrides=dist.deepspeed_overrides,
             )
         except UserError as e:
@@ -257,19 +297,36 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
     problems += [] if auto_stage else _check_engine(recipe, deepspeed)
     if problems:
         raise UserError(*problems)
-    resolved = Resolved(recipe=recipe, host=host, nproc_per_node=nproc, device="cuda" if has_gpu else "cpu",
-                        backend=backend, precision=precision, model_dtype=model_dtype, deepspeed=deepspeed,
-                        builtin_layout=layout, gradient_checkpointing=trainer.gradient_checkpointing is True)
+    resolved = Resolved(
+        recipe=recipe,
+        host=host,
+        nproc_per_node=nproc,
+        device="cuda" if has_gpu else "cpu",
+        backend=backend,
+        precision=precision,
+        model_dtype=model_dtype,
+        deepspeed=deepspeed,
+        builtin_layout=layout,
+        gradient_checkpointing=trainer.gradient_checkpointing is True,
+    )
     if auto_stage or trainer.gradient_checkpointing == "auto":
         from dataclasses import replace
 
         from colocate_rl.memory.autolayout import choose_layout
 
-        choice = choose_layout(resolved, min(g.memory_gib for g in host.gpus) if has_gpu else None,
-                               valid=lambda config: not _check_engine(recipe, config), ram_gib=host.ram_gib)
+        choice = choose_layout(
+            resolved,
+            min(g.memory_gib for g in host.gpus) if has_gpu else None,
+            valid=lambda config: not _check_engine(recipe, config),
+            ram_gib=host.ram_gib,
+        )
         engine_problems = _check_engine(recipe, choice.deepspeed) if auto_stage else []
         if engine_problems:
             raise UserError(*engine_problems)
-        resolved = replace(resolved, deepspeed=choice.deepspeed, gradient_checkpointing=choice.gradient_checkpointing,
-                           layout_choice=choice)
+        resolved = replace(
+            resolved,
+            deepspeed=choice.deepspeed,
+            gradient_checkpointing=choice.gradient_checkpointing,
+            layout_choice=choice,
+        )
     return resolved

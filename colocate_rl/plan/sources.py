@@ -17,9 +17,10 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from colocate_rl.errors import UserError
 
@@ -78,7 +79,7 @@ def _expand_one(item: str) -> list[str]:
         if "]" in item:
             raise ValueError(f"unbalanced ']' in {item!r}")
         return [item]
-    head, tail = item[: match.start()], item[match.end():]
+    head, tail = item[: match.start()], item[match.end() :]
     values: list[str] = []
     for spec in match.group(1).split(","):
         lo, sep, hi = spec.strip().partition("-")
@@ -111,8 +112,10 @@ def in_slurm_step(env: Mapping[str, str]) -> bool:
 def _int_env(env: Mapping[str, str], name: str) -> int:
     raw = env[name]
     if not raw.strip().isdigit():
-        raise UserError(f"{name}: expected a whole number from Slurm, got {raw!r}; run under srun, or pass "
-                        "--nnodes/--node-rank/--rdzv-endpoint/--rdzv-id yourself")
+        raise UserError(
+            f"{name}: expected a whole number from Slurm, got {raw!r}; run under srun, or pass "
+            "--nnodes/--node-rank/--rdzv-endpoint/--rdzv-id yourself"
+        )
     return int(raw)
 
 
@@ -129,14 +132,18 @@ def slurm_settings(env: Mapping[str, str]) -> list[Setting]:
         return []
     tasks_var = next((v for v in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if v in env), None)
     if tasks_var is not None and _int_env(env, tasks_var) > nnodes:
-        raise UserError(f"{tasks_var}: srun started {env[tasks_var]} tasks on {nnodes} nodes, but colocate-rl needs "
-                        "one task per node (torchrun starts the ranks); use srun --ntasks-per-node=1 "
-                        "(see scripts/slurm.sbatch)")
+        raise UserError(
+            f"{tasks_var}: srun started {env[tasks_var]} tasks on {nnodes} nodes, but colocate-rl needs "
+            "one task per node (torchrun starts the ranks); use srun --ntasks-per-node=1 "
+            "(see scripts/slurm.sbatch)"
+        )
     try:
         hosts = expand_hostlist(env[list_var])
     except ValueError as e:
-        raise UserError(f"{list_var}: cannot read the Slurm node list {env[list_var]!r} ({e}); pass "
-                        "--rdzv-endpoint HOST:PORT yourself")
+        raise UserError(
+            f"{list_var}: cannot read the Slurm node list {env[list_var]!r} ({e}); pass "
+            "--rdzv-endpoint HOST:PORT yourself"
+        )
     port, port_source = DEFAULT_PORT, f"default port {DEFAULT_PORT}"
     if env.get("MASTER_PORT", "").strip():
         port, port_source = _int_env(env, "MASTER_PORT"), "MASTER_PORT"
@@ -152,8 +159,10 @@ def slurm_note(env: Mapping[str, str]) -> str | None:
     """A hint when `train` runs inside a multi-node Slurm job but outside `srun` (it then uses this node only)."""
     nodes = env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", ""))
     if "SLURM_JOB_ID" in env and not in_slurm_step(env) and nodes.isdigit() and int(nodes) > 1:
-        return (f"inside Slurm job {env['SLURM_JOB_ID']} of {nodes} nodes but not under srun: this node trains alone; "
-                "start it as `srun --ntasks-per-node=1 colocate-rl train ...` (scripts/slurm.sbatch) to use all nodes")
+        return (
+            f"inside Slurm job {env['SLURM_JOB_ID']} of {nodes} nodes but not under srun: this node trains alone; "
+            "start it as `srun --ntasks-per-node=1 colocate-rl train ...` (scripts/slurm.sbatch) to use all nodes"
+        )
     return None
 
 
@@ -168,8 +177,9 @@ def _put(data: dict[str, Any], key: str, value: Any) -> None:
         section[key] = value
 
 
-def parse_node_flags(nnodes: str | None, node_rank: str | None, rdzv_endpoint: str | None,
-                     rdzv_id: str | None) -> dict[str, Any]:
+def parse_node_flags(
+    nnodes: str | None, node_rank: str | None, rdzv_endpoint: str | None, rdzv_id: str | None
+) -> dict[str, Any]:
     """The `train` flags as `distributed.*` values (only those given). Fails (UserError) on a bad value."""
     out: dict[str, Any] = {}
     for key, raw, low in (("nnodes", nnodes, 1), ("node_rank", node_rank, 0)):
@@ -187,8 +197,9 @@ def parse_node_flags(nnodes: str | None, node_rank: str | None, rdzv_endpoint: s
     return out
 
 
-def layer_distributed(data: dict[str, Any], sets: list[str], flags: Mapping[str, Any],
-                      env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+def layer_distributed(
+    data: dict[str, Any], sets: list[str], flags: Mapping[str, Any], env: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
     """Recipe mapping → (mapping with Slurm, `--set` and flag layers applied, source of each node key)."""
     from colocate_rl.recipe.schema import apply_overrides
 
@@ -239,7 +250,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
-def recipe_identity(resolved: "Resolved") -> dict[str, Any]:
+def recipe_identity(resolved: Resolved) -> dict[str, Any]:
     """What every node must agree on, as dotted key → value: the resolved recipe (auto values replaced by
     what they resolved to, the DeepSpeed JSON by its content) without the node rank and the run dir."""
     data = resolved.recipe.model_dump(mode="json")
@@ -299,22 +310,33 @@ def mismatch_message(entries: list[Mapping[str, Any]]) -> str | None:
             detail = ""
             if isinstance(mine, dict) and isinstance(theirs, dict):
                 keys = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
-                shown = [f"{k} ({_show(mine.get(k))} on node {ref}, {_show(theirs.get(k))} on node {other})"
-                         for k in keys[:4]]
+                shown = [
+                    f"{k} ({_show(mine.get(k))} on node {ref}, {_show(theirs.get(k))} on node {other})"
+                    for k in keys[:4]
+                ]
                 if len(keys) > 4:
                     shown.append(f"{len(keys) - 4} more")
                 detail = " in " + "; ".join(shown) if shown else ""
             parts.append(f"{who} differ{'s' if len(labels) == 1 else ''} from {name(ref)}{detail}")
-        summary = ", ".join(f"node {', '.join(labels)}: {h}" for h, labels in
-                            sorted(by_hash.items(), key=lambda item: order(item[1][0])))
-        return (f"recipe mismatch between nodes: {'; '.join(parts)}; {fix} (`colocate-rl train RECIPE --dry-run` "
-                f"prints each node's recipe hash; here {summary})")
-    stale = [label for label in sorted(nodes, key=order)
-             if nodes[label].get("file_hash") not in (None, nodes[label].get("hash"))]
+        summary = ", ".join(
+            f"node {', '.join(labels)}: {h}"
+            for h, labels in sorted(by_hash.items(), key=lambda item: order(item[1][0]))
+        )
+        return (
+            f"recipe mismatch between nodes: {'; '.join(parts)}; {fix} (`colocate-rl train RECIPE --dry-run` "
+            f"prints each node's recipe hash; here {summary})"
+        )
+    stale = [
+        label
+        for label in sorted(nodes, key=order)
+        if nodes[label].get("file_hash") not in (None, nodes[label].get("hash"))
+    ]
     if stale:
-        return (f"recipe mismatch: the run directory's recipe.yaml/launch.json that {', '.join(map(name, stale))} "
-                "read were written for another recipe (an earlier run in the same run dir, or another node started "
-                "with other settings); pass a new --run-dir on every node")
+        return (
+            f"recipe mismatch: the run directory's recipe.yaml/launch.json that {', '.join(map(name, stale))} "
+            "read were written for another recipe (an earlier run in the same run dir, or another node started "
+            "with other settings); pass a new --run-dir on every node"
+        )
     return None
 
 
@@ -336,8 +358,13 @@ def check_same_recipe(run_dir: Path, launch: Mapping[str, Any]) -> None:
             identity = json.loads(path.read_text()).get("identity")
         except (OSError, ValueError):
             identity = None
-    mine = {"node_rank": node, "host": socket.gethostname(), "hash": expected,
-            "file_hash": launch.get("recipe_hash"), "identity": identity}
+    mine = {
+        "node_rank": node,
+        "host": socket.gethostname(),
+        "hash": expected,
+        "file_hash": launch.get("recipe_hash"),
+        "identity": identity,
+    }
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     message = mismatch_message(gathered)

@@ -23,8 +23,19 @@ from pathlib import Path
 from typing import Any
 
 GIB = 2**30
-PHASES = ("generate", "weight_sync", "weight_check", "wake", "sleep", "offload", "reload", "reward", "prepare", "train",
-          "optimizer")
+PHASES = (
+    "generate",
+    "weight_sync",
+    "weight_check",
+    "wake",
+    "sleep",
+    "offload",
+    "reload",
+    "reward",
+    "prepare",
+    "train",
+    "optimizer",
+)
 TIMELINE_DIR = "timeline"
 
 
@@ -160,8 +171,12 @@ class Telemetry:
         self._file = (self.run_dir / TIMELINE_DIR / f"rank{rank}.jsonl").open("w")
         device = f"cuda:{torch.cuda.current_device()}" if self.cuda else "cpu"
         self._file.write(json.dumps({"rank": rank, "device": device, "unit": "GiB", "t0": self.t0}) + "\n")
-        for attr, name in (("training_step", "train"), ("_generate_and_score_completions", "prepare"),
-                           ("_generate_single_turn", "generate"), ("_calculate_rewards", "reward")):
+        for attr, name in (
+            ("training_step", "train"),
+            ("_generate_and_score_completions", "prepare"),
+            ("_generate_single_turn", "generate"),
+            ("_calculate_rewards", "reward"),
+        ):
             self.wrap(trainer, attr, name)
         engine = getattr(trainer, "vllm_generation", None)
         if engine is not None:

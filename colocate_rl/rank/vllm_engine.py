@@ -55,8 +55,9 @@ def full_numel(param: torch.Tensor) -> int:
     return int(getattr(param, "ds_numel", param.numel()))
 
 
-def weight_buckets(named_params: Iterable[tuple[str, torch.Tensor]],
-                   bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def weight_buckets(
+    named_params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of parameters of at most `bucket_bytes` each (a larger parameter gets its own group)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
@@ -74,10 +75,15 @@ def weight_buckets(named_params: Iterable[tuple[str, torch.Tensor]],
 def check_names(names: list[str], tensor_parallel_size: int) -> list[str]:
     """Parameters compared after each push: the final norm and the first and last layers' input norms (replicated
     under tensor parallelism), plus the last layer's MLP down projection when vLLM does not shard it."""
-    layers = sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()})
+    layers = sorted(
+        {int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    )
     wanted = ["model.norm.weight"]
     if layers:
-        wanted += [f"model.layers.{layers[0]}.input_layernorm.weight", f"model.layers.{layers[-1]}.input_layernorm.weight"]
+        wanted += [
+            f"model.layers.{layers[0]}.input_layernorm.weight",
+            f"model.layers.{layers[-1]}.input_layernorm.weight",
+        ]
         if tensor_parallel_size == 1:
             wanted.append(f"model.layers.{layers[-1]}.mlp.down_proj.weight")
     present = set(names)
@@ -152,12 +158,15 @@ class ColocatedEngine(VLLMGeneration):
 
         accelerator = self.accelerator
         if accelerator.num_processes % self.tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must divide the world size "
-                             f"({accelerator.num_processes})")
+            raise ValueError(
+                f"tensor_parallel_size ({self.tensor_parallel_size}) must divide the world size "
+                f"({accelerator.num_processes})"
+            )
         if self.tensor_parallel_size > 1:
             tp = self.tensor_parallel_size
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
-                [list(range(i * tp, (i + 1) * tp)) for i in range(accelerator.num_processes // tp)])
+                [list(range(i * tp, (i + 1) * tp)) for i in range(accelerator.num_processes // tp)]
+            )
         os.environ["RANK"] = str(accelerator.process_index)  # vLLM's external launcher reads these
         os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
         os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
@@ -172,19 +181,26 @@ class ColocatedEngine(VLLMGeneration):
             asleep = free_before - torch.cuda.mem_get_info()[0]
             line += f", asleep (level {self.sleep_level}) {asleep / 2**30:.3f} GiB"
         print(line, flush=True)  # GPU memory this engine takes, by the driver's count (benchmarks read it)
-        print(f"[colocate-rl engine] rank {accelerator.process_index}: vLLM config {json.dumps(self.built_config())}",
-              flush=True)
+        print(
+            f"[colocate-rl engine] rank {accelerator.process_index}: vLLM config {json.dumps(self.built_config())}",
+            flush=True,
+        )
         accelerator.wait_for_everyone()
 
     def built_config(self) -> dict[str, Any]:
         """The engine settings as vLLM built them (read back from its config, not from what was asked)."""
         cfg = self.llm.llm_engine.vllm_config
         model, cache, sched = cfg.model_config, cfg.cache_config, cfg.scheduler_config
-        return {"enforce_eager": model.enforce_eager, "enable_sleep_mode": model.enable_sleep_mode,
-                "max_model_len": model.max_model_len, "enable_prefix_caching": cache.enable_prefix_caching,
-                "gpu_memory_utilization": cache.gpu_memory_utilization,
-                "kv_cache_memory_bytes": cache.kv_cache_memory_bytes, "max_num_seqs": sched.max_num_seqs,
-                "max_num_batched_tokens": sched.max_num_batched_tokens}
+        return {
+            "enforce_eager": model.enforce_eager,
+            "enable_sleep_mode": model.enable_sleep_mode,
+            "max_model_len": model.max_model_len,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "gpu_memory_utilization": cache.gpu_memory_utilization,
+            "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+        }
 
     # ------------------------------------------------------------------ the cycle
 
@@ -249,8 +265,10 @@ class ColocatedEngine(VLLMGeneration):
         if problems:
             raise StaleWeightsError(
                 "vLLM is not generating from the trainer's current weights after the weight sync: "
-                + "; ".join(problems) + ". Stopping: training on these samples would optimise a stale policy "
-                "(generation.check_weights: false turns this check off)")
+                + "; ".join(problems)
+                + ". Stopping: training on these samples would optimise a stale policy "
+                "(generation.check_weights: false turns this check off)"
+            )
 
     def _deepspeed_engine(self):
         engine = getattr(self.accelerator, "deepspeed_engine_wrapped", None)

@@ -46,8 +46,11 @@ def make_metrics_callback(path: Path, telemetry):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or not logs:
                 return
-            record: dict[str, Any] = {"step": state.global_step, "max_steps": state.max_steps,
-                                      "wall_s": round(time.time() - self.start, 3)}
+            record: dict[str, Any] = {
+                "step": state.global_step,
+                "max_steps": state.max_steps,
+                "wall_s": round(time.time() - self.start, 3),
+            }
             record.update({k: v for k, v in logs.items() if isinstance(v, (int, float, str))})
             with path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -87,25 +90,34 @@ def load_tokenizer(model_path: str, builtin: bool):
 def build_trainer(run_dir: Path):
     """Construct the TRL trainer for this rank from the run directory's files."""
     from colocate_rl.plan.sources import check_same_recipe
+    from colocate_rl.rank.telemetry import Telemetry
     from colocate_rl.recipe.schema import load_recipe
     from colocate_rl.tasks import load_prompts, resolve_reward
-    from colocate_rl.rank.telemetry import Telemetry
 
     recipe = load_recipe(run_dir / "recipe.yaml")
     launch = json.loads((run_dir / "launch.json").read_text())
     data = recipe.data
-    dataset = load_prompts(data.source, split=data.split, subset=data.subset, prompt_field=data.prompt_field,
-                           chat=data.chat, system_prompt=data.system_prompt, num_samples=data.num_samples,
-                           seed=recipe.trainer.seed)
+    dataset = load_prompts(
+        data.source,
+        split=data.split,
+        subset=data.subset,
+        prompt_field=data.prompt_field,
+        chat=data.chat,
+        system_prompt=data.system_prompt,
+        num_samples=data.num_samples,
+        seed=recipe.trainer.seed,
+    )
     rewards = [resolve_reward(r.name, key=f"rewards[{i}].name") for i, r in enumerate(recipe.rewards)]
     tokenizer = load_tokenizer(launch["model_path"], recipe.model.name.startswith("builtin:"))
     telemetry = Telemetry(run_dir)
     callback = make_metrics_callback(run_dir / METRICS_FILE, telemetry)
 
     if recipe.algorithm == "grpo":
-        from trl import GRPOConfig as Config, GRPOTrainer as Trainer
+        from trl import GRPOConfig as Config
+        from trl import GRPOTrainer as Trainer
     else:
-        from trl import RLOOConfig as Config, RLOOTrainer as Trainer
+        from trl import RLOOConfig as Config
+        from trl import RLOOTrainer as Trainer
     if "deepspeed" in launch["trl_args"]:
         # DeepSpeed reads the world size from its own comm layer: bring it up before HF builds the config
         # (accelerate alone leaves it unset on CPU, and ZeRO-3 then sees a world of 1).
@@ -119,8 +131,14 @@ def build_trainer(run_dir: Path):
     config = Config(**config_args(Config, launch["trl_args"]))
     # The process group is up now (DeepSpeed or accelerate): all nodes must run the same recipe.
     check_same_recipe(run_dir, launch)
-    trainer = Trainer(model=launch["model_path"], reward_funcs=rewards, args=config, train_dataset=dataset,
-                      processing_class=tokenizer, callbacks=[callback])
+    trainer = Trainer(
+        model=launch["model_path"],
+        reward_funcs=rewards,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
     callback.trainer = trainer
     telemetry.instrument(trainer)
     merge_telemetry_into_logs(trainer, telemetry)
@@ -154,8 +172,10 @@ def config_args(config_cls: type, args: dict[str, Any]) -> dict[str, Any]:
 
     if "activation_checkpointing" not in {f.name for f in dataclasses.fields(config_cls)}:
         return args
-    return {("activation" + k.removeprefix("gradient") if k.startswith("gradient_checkpointing") else k): v
-            for k, v in args.items()}
+    return {
+        ("activation" + k.removeprefix("gradient") if k.startswith("gradient_checkpointing") else k): v
+        for k, v in args.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

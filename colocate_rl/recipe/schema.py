@@ -26,9 +26,18 @@ from pydantic import (
 
 from colocate_rl.errors import UserError
 
-
-SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-              "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def parse_size(value: int | str) -> int:
@@ -105,9 +114,10 @@ class TrainerSection(_Section):
     temperature: PositiveFloat = Field(1.0, description="Sampling temperature.")
     seed: int = Field(42, description="Random seed (model init for built-in models, data order, sampling).")
     gradient_checkpointing: bool | Literal["auto"] = Field(
-        False, description="Recompute activations in backward to save memory; auto = off when the estimated "
+        False,
+        description="Recompute activations in backward to save memory; auto = off when the estimated "
         "activations fit in GPU memory, else on (tried per ZeRO stage before the next stage; see "
-        "distributed.zero_stage)."
+        "distributed.zero_stage).",
     )
     logging_steps: PositiveInt = Field(1, description="Log metrics every N steps.")
     save_steps: NonNegativeInt = Field(0, description="Save a checkpoint every N steps (0 = only the final model).")
@@ -154,27 +164,37 @@ class GenerationSection(_Section):
             parse_size(value)
         return value
 
-    enforce_eager: bool = Field(False, description="Run vLLM without CUDA graphs/torch.compile (faster start, "
-                                "slower decode; engine colocate-rl).")
-    max_num_seqs: PositiveInt | None = Field(
-        None, description="vLLM's concurrent sequences; null = the rank's share of one generation batch "
-        "(per_device_train_batch_size × tensor_parallel_size × steps per generation)."
+    enforce_eager: bool = Field(
+        False,
+        description="Run vLLM without CUDA graphs/torch.compile (faster start, slower decode; engine colocate-rl).",
     )
-    max_num_batched_tokens: PositiveInt = Field(4096, description="vLLM's tokens per scheduler step (engine "
-                                                "colocate-rl; TRL's engine fixes 4096).")
-    enable_prefix_caching: bool = Field(True, description="Reuse the KV cache of shared prompt prefixes (the "
-                                        "num_generations copies of a prompt); engine colocate-rl.")
+    max_num_seqs: PositiveInt | None = Field(
+        None,
+        description="vLLM's concurrent sequences; null = the rank's share of one generation batch "
+        "(per_device_train_batch_size × tensor_parallel_size × steps per generation).",
+    )
+    max_num_batched_tokens: PositiveInt = Field(
+        4096, description="vLLM's tokens per scheduler step (engine colocate-rl; TRL's engine fixes 4096)."
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse the KV cache of shared prompt prefixes (the "
+        "num_generations copies of a prompt); engine colocate-rl.",
+    )
     weight_sync_bucket_mb: PositiveInt = Field(
-        1024, description="Bytes per weight-sync bucket, MiB: parameters gathered in one collective and loaded "
-        "into vLLM in one call (bounds the sync's extra memory); engine colocate-rl."
+        1024,
+        description="Bytes per weight-sync bucket, MiB: parameters gathered in one collective and loaded "
+        "into vLLM in one call (bounds the sync's extra memory); engine colocate-rl.",
     )
     offload_trainer_during_generation: bool = Field(
-        False, description="Move the DeepSpeed optimizer states (and fp32 master weights and gradients) to CPU "
-        "while vLLM generates, so its KV cache can be larger; needs distributed.deepspeed; engine colocate-rl."
+        False,
+        description="Move the DeepSpeed optimizer states (and fp32 master weights and gradients) to CPU "
+        "while vLLM generates, so its KV cache can be larger; needs distributed.deepspeed; engine colocate-rl.",
     )
     check_weights: bool = Field(
-        True, description="After each weight sync, compare a few of vLLM's tensors with the trainer's and stop "
-        "the run if vLLM is not generating from the trainer's current weights; engine colocate-rl."
+        True,
+        description="After each weight sync, compare a few of vLLM's tensors with the trainer's and stop "
+        "the run if vLLM is not generating from the trainer's current weights; engine colocate-rl.",
     )
 
 
@@ -190,18 +210,20 @@ class DistributedSection(_Section):
         "c10d", description="torchrun rendezvous: c10d (elastic) or static (MASTER_ADDR/node rank)."
     )
     rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (required when nnodes > 1).")
-    rdzv_id: str = Field("colocate-rl", coerce_numbers_to_str=True,
-                         description="Rendezvous id shared by all nodes of one job.")
+    rdzv_id: str = Field(
+        "colocate-rl", coerce_numbers_to_str=True, description="Rendezvous id shared by all nodes of one job."
+    )
     deepspeed: str | None = Field(
         None,
         description="Shipped DeepSpeed config name (zero3, zero3_offload_optimizer, zero3_offload_all) "
         "or a path to a JSON file; null = plain DDP (with zero_stage auto: the shipped zero3 JSON).",
     )
     zero_stage: Literal[0, 1, 2, 3, "auto"] | None = Field(
-        None, description="Override the DeepSpeed config's ZeRO stage. auto = the fastest layout whose estimated "
+        None,
+        description="Override the DeepSpeed config's ZeRO stage. auto = the fastest layout whose estimated "
         "peak fits in GPU memory with a 10% margin: ZeRO-2, ZeRO-3, ZeRO-3 + optimizer offload, ZeRO-3 + "
         "optimizer and parameter offload (explicit offload keys constrain them; with distributed.deepspeed null "
-        "the shipped zero3 JSON is the base). `train --dry-run` and `mem-probe --estimate` show the choice."
+        "the shipped zero3 JSON is the base). `train --dry-run` and `mem-probe --estimate` show the choice.",
     )
     offload_optimizer: bool | None = Field(None, description="Override: optimizer states on CPU (ZeRO).")
     offload_params: bool | None = Field(None, description="Override: parameters on CPU (ZeRO-3).")
@@ -245,7 +267,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
-        raise UserError(f"{path}: recipe file not found; check the path or run `colocate-rl recipes` to list shipped ones")
+        raise UserError(
+            f"{path}: recipe file not found; check the path or run `colocate-rl recipes` to list shipped ones"
+        )
     except OSError as e:
         raise UserError(f"{path}: cannot read recipe ({e.strerror})")
     try:

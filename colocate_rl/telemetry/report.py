@@ -23,18 +23,40 @@ from colocate_rl.errors import UserError
 from colocate_rl.rank.telemetry import PHASES as TELEMETRY_PHASES
 
 PHASES = (*TELEMETRY_PHASES, "other")  # "other": the step's time outside every timed phase
-COLORS = dict(zip(PHASES, ("tab:blue", "tab:orange", "gold", "tab:green", "tab:red", "teal", "navy", "tab:purple",
-                           "tab:brown", "tab:pink", "tab:olive", "tab:gray")))
-MEMORY_ROWS = ([(f"end of {p}", f"mem/{p}_end_gib") for p in PHASES] + [
-    ("after optimizer step (driver)", "mem/gpu_used_gib"), ("peak during step (driver)", "mem/gpu_peak_gib"),
-    ("torch allocated", "mem/torch_allocated_gib"), ("torch reserved", "mem/torch_reserved_gib"),
-    ("RSS after optimizer step", "mem/rss_gib"), ("RSS peak during step", "mem/rss_peak_gib")])
+COLORS = dict(
+    zip(
+        PHASES,
+        (
+            "tab:blue",
+            "tab:orange",
+            "gold",
+            "tab:green",
+            "tab:red",
+            "teal",
+            "navy",
+            "tab:purple",
+            "tab:brown",
+            "tab:pink",
+            "tab:olive",
+            "tab:gray",
+        ),
+    )
+)
+MEMORY_ROWS = [(f"end of {p}", f"mem/{p}_end_gib") for p in PHASES] + [
+    ("after optimizer step (driver)", "mem/gpu_used_gib"),
+    ("peak during step (driver)", "mem/gpu_peak_gib"),
+    ("torch allocated", "mem/torch_allocated_gib"),
+    ("torch reserved", "mem/torch_reserved_gib"),
+    ("RSS after optimizer step", "mem/rss_gib"),
+    ("RSS peak during step", "mem/rss_peak_gib"),
+]
 MAX_RANKS_SHOWN = 8
 
 
 @dataclass
 class Timeline:
     """One rank's `timeline/rank<N>.jsonl`: memory points (t, GiB), phase edges (t, phase, edge), step ends."""
+
     rank: int
     device: str = "?"
     t0: float = 0.0
@@ -75,8 +97,11 @@ def _read_timeline(path: Path) -> Timeline | None:
     head = records[0] if records and "rank" in records[0] else {}
     match = re.fullmatch(r"rank(\d+)\.jsonl", path.name)
     rank = _num(head, "rank")
-    timeline = Timeline(rank=int(rank) if rank is not None else int(match.group(1)) if match else 0,
-                        device=str(head.get("device", "?")), t0=_num(head, "t0") or 0.0)
+    timeline = Timeline(
+        rank=int(rank) if rank is not None else int(match.group(1)) if match else 0,
+        device=str(head.get("device", "?")),
+        t0=_num(head, "t0") or 0.0,
+    )
     for r in records:
         t, mem = _num(r, "t"), _num(r, "mem")
         if t is None:
@@ -96,11 +121,13 @@ def load_run(run_dir: Path | str) -> Run:
     if not (path / "metrics.jsonl").is_file():
         what = "does not exist" if not path.exists() else "is not a run directory (no metrics.jsonl)"
         raise UserError(f"{path}: {what}; pass a directory written by `colocate-rl train`")
-    steps = [r for r in read_jsonl(path / "metrics.jsonl") if _num(r, "reward") is not None
-             and _num(r, "step") is not None]
+    steps = [
+        r for r in read_jsonl(path / "metrics.jsonl") if _num(r, "reward") is not None and _num(r, "step") is not None
+    ]
     if not steps:
-        raise UserError(f"{path / 'metrics.jsonl'}: no training step logged yet; run report again once the run "
-                        "has logged a step")
+        raise UserError(
+            f"{path / 'metrics.jsonl'}: no training step logged yet; run report again once the run has logged a step"
+        )
     timelines = [t for p in sorted((path / "timeline").glob("rank*.jsonl")) if (t := _read_timeline(p))]
     return Run(path, steps, sorted(timelines, key=lambda t: t.rank))
 
@@ -136,19 +163,27 @@ def memory_stats(run: Run) -> dict[str, tuple[float, float]]:
 def run_summary(run: Run) -> dict[str, float | str]:
     """Steps, reward first/last, median s/step, median tokens/s, telemetry overhead (% of step time)."""
     first, last = run.steps[0], run.steps[-1]
-    out: dict[str, float | str] = {"steps": f"{int(last['step'])}/{last.get('max_steps', '?')}",
-                                   "reward (first step)": first["reward"], "reward (last step)": last["reward"]}
+    out: dict[str, float | str] = {
+        "steps": f"{int(last['step'])}/{last.get('max_steps', '?')}",
+        "reward (first step)": first["reward"],
+        "reward (last step)": last["reward"],
+    }
     step_s = [v for r in run.steps if (v := _num(r, "time/step_s")) is not None]
     if not step_s:  # older runs: wall time between logged steps
-        pairs = [(_num(a, "wall_s"), _num(b, "wall_s"), b["step"] - a["step"]) for a, b in zip(run.steps, run.steps[1:])]
+        pairs = [
+            (_num(a, "wall_s"), _num(b, "wall_s"), b["step"] - a["step"]) for a, b in zip(run.steps, run.steps[1:])
+        ]
         step_s = [(wb - wa) / n for wa, wb, n in pairs if wa is not None and wb is not None and n > 0]
     if step_s:
         out["median s/step"] = statistics.median(step_s)
     tokens = [v for r in run.steps if (v := _num(r, "gen/tokens_per_s")) is not None]
     if tokens:
         out["generated tokens/s (median)"] = statistics.median(tokens)
-    both = [(o, s) for r in run.steps if (o := _num(r, "telemetry/overhead_s")) is not None
-            and (s := _num(r, "time/step_s"))]
+    both = [
+        (o, s)
+        for r in run.steps
+        if (o := _num(r, "telemetry/overhead_s")) is not None and (s := _num(r, "time/step_s"))
+    ]
     if both:
         out["telemetry overhead (% of step time)"] = 100 * sum(o for o, _ in both) / sum(s for _, s in both)
     if (wall := _num(last, "wall_s")) is not None:
@@ -165,8 +200,16 @@ def _fmt(value: Any, spec: str, signed: bool = False) -> str:
     return format(value, ("+" if signed else "") + spec)
 
 
-def _table(title: str, caption: str, first: str, cols: list[str], specs: list[str] | dict[str, str],
-           per_run: list[dict], names: list[str], diff: int = 0) -> Table:
+def _table(
+    title: str,
+    caption: str,
+    first: str,
+    cols: list[str],
+    specs: list[str] | dict[str, str],
+    per_run: list[dict],
+    names: list[str],
+    diff: int = 0,
+) -> Table:
     """Rows = union of the runs' keys; `cols` per run (format `specs` per column, or per row label as
     {word in label: spec}); with two runs one more column, the difference of column `diff` (second − first)."""
     two = len(per_run) == 2
@@ -179,8 +222,11 @@ def _table(title: str, caption: str, first: str, cols: list[str], specs: list[st
         table.add_column(f"Δ{' ' + cols[diff] if len(cols) > 1 else ''} ({names[1]} − {names[0]})", justify="right")
     for label in dict.fromkeys(k for stats in per_run for k in stats):
         row = [s.get(label) or (None,) * len(cols) for s in per_run]
-        spec = (lambda i: specs[i]) if isinstance(specs, list) else \
-            (lambda i: next((v for k, v in specs.items() if k in label), ".3g"))
+        spec = (
+            (lambda i: specs[i])
+            if isinstance(specs, list)
+            else (lambda i, label=label: next((v for k, v in specs.items() if k in label), ".3g"))
+        )
         cells = [_fmt(v, spec(i)) for values in row for i, v in enumerate(values)]
         if two:
             a, b = row[0][diff], row[1][diff]
@@ -198,12 +244,34 @@ def tables(runs: list[Run]) -> list[Table]:
     mem_caption = "over all logged steps; " + ("process RSS (CPU run)" if cpu else "GPU driver view")
     time, memory = [time_shares(r) for r in runs], [memory_stats(r) for r in runs]
     return [
-        _table("time per step by phase", warm if any(time) else "no phase timing (time/*) in metrics.jsonl", "phase",
-               ["s/step", "% of step"], [".3f", ".1f"], time, names),
-        _table("memory (GiB)", mem_caption if any(memory) else "no memory fields in metrics.jsonl", "memory",
-               ["mean", "max"], [".2f", ".2f"], memory, names, diff=1),
-        _table("run summary", "", "", ["value"], SUMMARY_FORMATS,
-               [{k: (v,) for k, v in run_summary(r).items()} for r in runs], names),
+        _table(
+            "time per step by phase",
+            warm if any(time) else "no phase timing (time/*) in metrics.jsonl",
+            "phase",
+            ["s/step", "% of step"],
+            [".3f", ".1f"],
+            time,
+            names,
+        ),
+        _table(
+            "memory (GiB)",
+            mem_caption if any(memory) else "no memory fields in metrics.jsonl",
+            "memory",
+            ["mean", "max"],
+            [".2f", ".2f"],
+            memory,
+            names,
+            diff=1,
+        ),
+        _table(
+            "run summary",
+            "",
+            "",
+            ["value"],
+            SUMMARY_FORMATS,
+            [{k: (v,) for k, v in run_summary(r).items()} for r in runs],
+            names,
+        ),
     ]
 
 
@@ -219,8 +287,15 @@ def _panels(runs: list[Run], rows: int = 1, height: float = 4.0, width: float = 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(rows, len(runs), sharex="col", sharey=True, squeeze=False, layout="constrained",
-                        figsize=(11 if len(runs) == 1 else width * len(runs), height))
+    return plt.subplots(
+        rows,
+        len(runs),
+        sharex="col",
+        sharey=True,
+        squeeze=False,
+        layout="constrained",
+        figsize=(11 if len(runs) == 1 else width * len(runs), height),
+    )
 
 
 def _save(fig, path: Path) -> Path:
@@ -275,10 +350,19 @@ def plot_memory_timeline(runs: list[Run], path: Path) -> Path | None:
             shift = tl.t0 - start
             spans = innermost_spans(tl.edges)
             for phase in dict.fromkeys(p for _, _, p in spans):
-                verts = [[(a + shift, 0), (a + shift, 1), (b + shift, 1), (b + shift, 0)] for a, b, p in spans
-                         if p == phase]
-                ax.add_collection(PolyCollection(verts, transform=ax.get_xaxis_transform(), alpha=0.3, linewidth=0,
-                                                 facecolor=COLORS.get(phase, "tab:cyan")), autolim=False)
+                verts = [
+                    [(a + shift, 0), (a + shift, 1), (b + shift, 1), (b + shift, 0)] for a, b, p in spans if p == phase
+                ]
+                ax.add_collection(
+                    PolyCollection(
+                        verts,
+                        transform=ax.get_xaxis_transform(),
+                        alpha=0.3,
+                        linewidth=0,
+                        facecolor=COLORS.get(phase, "tab:cyan"),
+                    ),
+                    autolim=False,
+                )
                 seen.add(phase)
             t, mem = np.array(tl.points).T
             ax.plot(t + shift, mem, color="black", linewidth=1)
@@ -286,10 +370,15 @@ def plot_memory_timeline(runs: list[Run], path: Path) -> Path | None:
             ax.plot([e for e, _ in ends], [m for _, m in ends], "v", color="crimson", markersize=6)
             ax.set_ylabel(f"rank {tl.rank} ({tl.device})\n{'RSS' if tl.device == 'cpu' else 'GPU used'} (GiB)")
         axes[max(min(rows, len(run.timelines)) - 1, 0)][col].set_xlabel("time since start (s)")
-    handles = [Patch(color=COLORS.get(p, "tab:cyan"), alpha=0.3, label=p)
-               for p in dict.fromkeys([*PHASES, *sorted(seen)]) if p in seen]
-    handles += [Line2D([], [], color="black", label="memory"),
-                Line2D([], [], marker="v", color="crimson", linestyle="", label="optimizer step end")]
+    handles = [
+        Patch(color=COLORS.get(p, "tab:cyan"), alpha=0.3, label=p)
+        for p in dict.fromkeys([*PHASES, *sorted(seen)])
+        if p in seen
+    ]
+    handles += [
+        Line2D([], [], color="black", label="memory"),
+        Line2D([], [], marker="v", color="crimson", linestyle="", label="optimizer step end"),
+    ]
     fig.legend(handles=handles, loc="outside right upper", fontsize="small")
     fig.suptitle("Memory over time by rank (shading: innermost phase)")
     return _save(fig, path)
@@ -322,8 +411,12 @@ def plot_reward(runs: list[Run], path: Path) -> Path:
     """Reward per step, one panel per run (shared y)."""
     fig, axes = _panels(runs, width=6.0)
     for ax, run, name in zip(axes[0], runs, _names(runs)):
-        ax.plot([r["step"] for r in run.steps], [r["reward"] for r in run.steps], marker="o" if len(run.steps) <= 60
-                else None, markersize=3)
+        ax.plot(
+            [r["step"] for r in run.steps],
+            [r["reward"] for r in run.steps],
+            marker="o" if len(run.steps) <= 60 else None,
+            markersize=3,
+        )
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -349,9 +442,11 @@ def report(run_dirs: list[Path | str], out: Path | str | None = None, console: C
     for table in tables(runs):
         console.print(table)
     written = []
-    for name, plot, why in (("memory_timeline", plot_memory_timeline, "no timeline/rank*.jsonl with memory samples"),
-                            ("step_breakdown", plot_step_breakdown, "no phase timing (time/*_s) in metrics.jsonl"),
-                            ("reward", plot_reward, "")):
+    for name, plot, why in (
+        ("memory_timeline", plot_memory_timeline, "no timeline/rank*.jsonl with memory samples"),
+        ("step_breakdown", plot_step_breakdown, "no phase timing (time/*_s) in metrics.jsonl"),
+        ("reward", plot_reward, ""),
+    ):
         name = ("compare_" if len(runs) == 2 else "") + name + ".png"
         path = plot(runs, target / name)
         written += [path] if path else []

@@ -7,6 +7,7 @@ Python loads it from PYTHONPATH at start-up (docs/benchmarks.md, mem-probe accur
       --set generation.vllm_gpu_memory_utilization=0.86 --set generation.enforce_eager=true \
       --set trainer.max_steps=4 --set output.save_model=false
 """
+
 import os
 import sys
 
@@ -44,12 +45,26 @@ if "colocate_rl.worker" in " ".join(getattr(sys, "orig_argv", sys.argv)):
                     pass
             big.sort(reverse=True)
             G = 2**30
-            print("[diag] " + json.dumps(dict(
-                tag=tag, rank=int(os.environ.get("RANK", 0)), sync=self._diag_n, used_gib=round((total - free) / G, 3),
-                allocated_gib=round(torch.cuda.memory_allocated() / G, 3),
-                reserved_gib=round(torch.cuda.memory_reserved() / G, 3), gathered_gib=round(gathered / G, 3),
-                shard_gib=round(shard / G, 3), status=status, tensors_gib=round(sum(b[0] for b in big) / G, 3),
-                n_tensors=len(big), big=[(round(b / G, 3), s, d) for b, s, d in big[:14]])), flush=True)
+            print(
+                "[diag] "
+                + json.dumps(
+                    dict(
+                        tag=tag,
+                        rank=int(os.environ.get("RANK", 0)),
+                        sync=self._diag_n,
+                        used_gib=round((total - free) / G, 3),
+                        allocated_gib=round(torch.cuda.memory_allocated() / G, 3),
+                        reserved_gib=round(torch.cuda.memory_reserved() / G, 3),
+                        gathered_gib=round(gathered / G, 3),
+                        shard_gib=round(shard / G, 3),
+                        status=status,
+                        tensors_gib=round(sum(b[0] for b in big) / G, 3),
+                        n_tensors=len(big),
+                        big=[(round(b / G, 3), s, d) for b, s, d in big[:14]],
+                    )
+                ),
+                flush=True,
+            )
 
         def sync_weights(self):
             self._diag_n = getattr(self, "_diag_n", -1) + 1
