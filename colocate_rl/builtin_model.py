@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from colocate_rl.errors import UserError
+from colocate_rl.memory.shapes import layout_for
 
 MARKER = "colocate_rl_build.json"
 _FORMAT = 1  # bump when the files written change, so old builds are rebuilt
@@ -101,19 +102,6 @@ def _layout(layout: str) -> dict:
     if layout not in LAYOUTS:
         raise UserError(f"model.name: unknown built-in layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
     return LAYOUTS[layout]
-
-
-def param_count(layout: str) -> int:
-    """Exact parameter count from the config arithmetic (Qwen2: q/k/v biases, no o_proj bias, SwiGLU MLP,
-    RMSNorm weights). Raises UserError for an unknown layout."""
-    c = _layout(layout)
-    h, nh, kv, ff, v = (
-        c[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
-    )
-    hd = c.get("head_dim", h // nh)
-    attn = (h * nh * hd + nh * hd) + 2 * (h * kv * hd + kv * hd) + nh * hd * h
-    layer = attn + 3 * h * ff + 2 * h
-    return v * h * (1 if c["tie_word_embeddings"] else 2) + c["num_hidden_layers"] * layer + h
 
 
 def _corpus(n: int = 3000) -> list[str]:
@@ -248,7 +236,8 @@ def build_model(layout: str, out_dir: str | Path, *, seed: int = 0, dtype: str =
     old = None
     try:
         _write(tmp, layout, seed, dtype)
-        (tmp / MARKER).write_text(json.dumps(dict(want, params=param_count(layout)), indent=2) + "\n")  # last
+        params = layout_for(f"builtin:{layout}").params
+        (tmp / MARKER).write_text(json.dumps(dict(want, params=params), indent=2) + "\n")  # last
         try:
             os.rename(tmp, out)  # replaces a missing or empty out_dir
         except OSError:

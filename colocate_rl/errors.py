@@ -12,3 +12,11 @@ class UserError(Exception):
     def __init__(self, *lines: str):
         self.lines = [line for line in lines if line]
         super().__init__("\n".join(self.lines))
+
+
+def did_you_mean(word: str, options) -> str:
+    """`did you mean 'x'?` for the closest of `options`, or '' when none is close."""
+    import difflib
+
+    match = difflib.get_close_matches(word, sorted(options), n=1)
+    return f"did you mean '{match[0]}'?" if match else ""

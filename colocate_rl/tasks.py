@@ -8,7 +8,6 @@ Every problem the user can fix raises `UserError` naming the recipe key (`data.s
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.util
 import inspect
@@ -19,7 +18,7 @@ import sys
 import zlib
 from decimal import Decimal
 
-from colocate_rl.errors import UserError
+from colocate_rl.errors import UserError, did_you_mean
 
 # ---------------------------------------------------------------------------------------------- datasets
 
@@ -48,8 +47,8 @@ _DEFAULT_BUILTIN_SIZE = 512
 
 
 def _did_you_mean(word: str, options) -> str:
-    match = difflib.get_close_matches(word, list(options), n=1)
-    return f" (did you mean '{match[0]}'?)" if match else ""
+    hint = did_you_mean(word, options)
+    return f" ({hint})" if hint else ""
 
 
 def _one_line(exc: BaseException, limit: int = 300) -> str:

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from colocate_rl.memory import autolayout as A
+from colocate_rl.pipeline import resolve
 from colocate_rl.plan.host import assumed_host
 from colocate_rl.plan.launch_plan import make_plan
-from colocate_rl.plan.resolve import resolve
-from colocate_rl.recipe.schema import load_recipe
+from colocate_rl.recipe.load import load_recipe, parse_sets
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -23,7 +23,7 @@ AUTO = ("distributed.zero_stage=auto", "trainer.gradient_checkpointing=auto")
 
 
 def resolved(recipe: str, gpus: int, gib: float, *sets: str):
-    return resolve(load_recipe(ROOT / "recipes" / f"{recipe}.yaml", list(sets)), assumed_host(gpus, gib))
+    return resolve(load_recipe(ROOT / "recipes" / f"{recipe}.yaml", parse_sets(list(sets))), assumed_host(gpus, gib))
 
 
 def cli(*args):
@@ -71,7 +71,7 @@ def test_choice_by_layout_and_gpu_memory(recipe, gpus, gib, sets, chosen):
     r = resolved(recipe, gpus, gib, *AUTO, *sets)
     c = r.layout_choice
     assert c.chosen.label == chosen, "\n".join(c.lines())
-    assert c.limit_gib == pytest.approx(gib * (1 - A.MARGIN))
+    assert c.limit_gib == pytest.approx(gib * (1 - A.LAYOUT_HEADROOM))
     # the chosen is the first that fits; every earlier candidate is estimated above the limit
     index = [t.candidate for t in c.tried].index(c.chosen)
     assert all(not t.fits for t in c.tried[:index])
@@ -260,7 +260,7 @@ def test_mem_probe_shows_and_returns_the_choice():
         "offload_params": False,
         "gradient_checkpointing": False,
     }
-    assert choice["margin"] == A.MARGIN and choice["limit_gib"] == pytest.approx(H200 * 0.9, abs=1e-3)
+    assert choice["margin"] == A.LAYOUT_HEADROOM and choice["limit_gib"] == pytest.approx(H200 * 0.9, abs=1e-3)
     assert [x["fits"] for x in choice["candidates"]][:5] == [False, False, False, False, True]
     # the estimate table is of the chosen layout: optimizer states and the step live on the CPU
     assert not [t for t in data["terms"] if t.startswith(("optimizer states", "optimizer step"))]
@@ -316,7 +316,7 @@ def test_shipped_gpu_recipes_use_auto_where_it_is_safe():
 def test_bench_script_dry_run_prints_every_row(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(
-        [sys.executable, "scripts/bench_layouts.py", "--out", str(out), "--dry-run", "--steps", "12"],
+        [sys.executable, "benchmarks/bench_layouts.py", "--out", str(out), "--dry-run", "--steps", "12"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -342,7 +342,7 @@ def test_bench_script_dry_run_prints_every_row(tmp_path):
     assert "CUDA_VISIBLE_DEVICES=0 HF_HUB_OFFLINE=1 " in text and "--nproc-per-node 1" in text
     assert text.count("http://127.0.0.1:8765 12") == 2  # the server rows: 32 and 256 completions per step
     bad = subprocess.run(
-        [sys.executable, "scripts/bench_layouts.py", "--out", str(out), "--rows", "zero5", "--dry-run"],
+        [sys.executable, "benchmarks/bench_layouts.py", "--out", str(out), "--rows", "zero5", "--dry-run"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -353,7 +353,7 @@ def test_bench_script_dry_run_prints_every_row(tmp_path):
 
 def test_bench_results_from_metrics(tmp_path):
     """The s/step statistic: median of wall_s differences after the first step; time/* medians likewise."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import bench_layouts as B
     finally:

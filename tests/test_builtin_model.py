@@ -8,6 +8,7 @@ import pytest
 
 from colocate_rl import builtin_model as bm
 from colocate_rl.errors import UserError
+from colocate_rl.memory.shapes import layout_for
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_load_forward_generate(tiny):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny).eval()
-    assert sum(p.numel() for p in model.parameters()) == bm.param_count("tiny")
+    assert sum(p.numel() for p in model.parameters()) == layout_for("builtin:tiny").params
     tok = bm.load_tokenizer(tiny)
     batch = tok(["What is 2 + 3?", "hi"], return_tensors="pt", padding=True)
     with torch.no_grad():
@@ -64,9 +65,9 @@ def test_load_forward_generate(tiny):
 
 
 def test_param_count_known_sizes():
-    assert bm.param_count("qwen2.5-0.5b") == 494_032_768
-    assert bm.param_count("qwen2.5-1.5b") == 1_543_714_304
-    assert bm.param_count("qwen2.5-7b") == 7_615_616_512
+    assert layout_for("builtin:qwen2.5-0.5b").params == 494_032_768
+    assert layout_for("builtin:qwen2.5-1.5b").params == 1_543_714_304
+    assert layout_for("builtin:qwen2.5-7b").params == 7_615_616_512
 
 
 def test_deterministic_and_idempotent(tiny, tmp_path):
@@ -147,7 +148,7 @@ def test_unknown_layout_and_dtype(tmp_path):
     with pytest.raises(UserError, match=r"model.name: unknown built-in layout 'x'; choose one of: tiny, qwen2.5-0.5b"):
         bm.build_model("x", tmp_path / "m")
     with pytest.raises(UserError, match="unknown built-in layout"):
-        bm.param_count("qwen9")
+        layout_for("builtin:qwen9")
     with pytest.raises(UserError, match="dtype"):
         bm.build_model("tiny", tmp_path / "m", dtype="int8")
     assert not (tmp_path / "m").exists()

@@ -78,7 +78,7 @@ def test_cross_field_error_via_set_exits_2(tmp_path):
         (["validate", "nope.yaml"], "nope.yaml: recipe file not found"),
         (["validate", "nosuchrecipe"], "nosuchrecipe: no such recipe file or shipped recipe"),
         (["validate", "recipes/quickstart.yaml", "--set", "trainer.max_steps"], "--set 'trainer.max_steps': expected"),
-        (["recipes", "nope"], "nope: no shipped recipe of that name"),
+        (["recipes", "nope"], "nope: no shipped recipe or launch script of that name"),
         (["train", "recipes/quickstart.yaml", "--gpus", "2"], "--gpus: only for planning"),
     ],
 )
@@ -121,6 +121,12 @@ def test_recipes_lists_and_copies(tmp_path):
     assert (tmp_path / "quickstart.yaml").read_text() == (ROOT / "recipes" / "quickstart.yaml").read_text()
     assert_user_error(cli("recipes", "quickstart", cwd=tmp_path), "already exists")
     assert cli("validate", "quickstart", cwd=tmp_path).returncode == 0  # shipped recipes resolve by name
+    for script in ("slurm.sbatch", "multinode.sh", "single-node.sh"):  # the cluster launch scripts ship too
+        assert script in listing.stdout
+    script = cli("recipes", "slurm.sbatch", "--out", "job.sbatch", cwd=tmp_path)
+    assert script.returncode == 0, script.stderr
+    assert (tmp_path / "job.sbatch").read_text() == (ROOT / "examples" / "slurm.sbatch").read_text()
+    assert (tmp_path / "job.sbatch").stat().st_mode & 0o100
 
 
 def test_env_reports_versions_and_backend():

@@ -16,19 +16,14 @@ import yaml
 from conftest import assert_user_error
 
 from colocate_rl.errors import UserError
-from colocate_rl.launch.execute import check_run_dir_free, worker_errors, write_run_dir
+from colocate_rl.pipeline import resolve
 from colocate_rl.plan.host import Gpu, Host
+from colocate_rl.plan.identity import mismatch_message, recipe_identity
 from colocate_rl.plan.launch_plan import make_plan
-from colocate_rl.plan.resolve import resolve
-from colocate_rl.plan.sources import (
-    expand_hostlist,
-    layer_distributed,
-    mismatch_message,
-    parse_node_flags,
-    recipe_identity,
-    slurm_settings,
-)
-from colocate_rl.recipe.schema import parse_recipe
+from colocate_rl.plan.slurm import expand_hostlist, slurm_settings
+from colocate_rl.plan.sources import layer_distributed, parse_node_flags
+from colocate_rl.recipe.load import parse_recipe
+from colocate_rl.rundir import check_run_dir_free, write_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -147,7 +142,7 @@ def test_slurm_settings_refuse_several_tasks_per_node_and_bad_lists():
 
 def test_precedence_defaults_recipe_slurm_set_flags():
     recipe = {**MINIMAL, "distributed": {"nnodes": 4, "rdzv_id": "from-recipe", "rdzv_backend": "static"}}
-    data, sources = layer_distributed(recipe, [], {}, SLURM)
+    data, sources = layer_distributed(recipe, {}, {}, SLURM)
     assert {k: data["distributed"][k] for k in ("nnodes", "node_rank", "rdzv_id", "rdzv_backend")} == {
         "nnodes": 2,
         "node_rank": 1,
@@ -157,18 +152,20 @@ def test_precedence_defaults_recipe_slurm_set_flags():
     assert sources["nnodes"] == "Slurm SLURM_NNODES" and sources["rdzv_backend"] == "recipe"
     assert recipe["distributed"]["nnodes"] == 4  # the caller's mapping is not changed
 
-    data, sources = layer_distributed(recipe, ["distributed.node_rank=0"], {"rdzv_id": "flag"}, SLURM)
+    data, sources = layer_distributed(recipe, {"distributed.node_rank": 0}, {"rdzv_id": "flag"}, SLURM)
     assert (data["distributed"]["node_rank"], data["distributed"]["rdzv_id"]) == (0, "flag")
     assert (sources["node_rank"], sources["rdzv_id"]) == ("--set distributed.node_rank", "--rdzv-id")
     # a flag beats --set for the same key
-    data, sources = layer_distributed(recipe, ["distributed.nnodes=3"], {"nnodes": 5}, {})
+    data, sources = layer_distributed(recipe, {"distributed.nnodes": 3}, {"nnodes": 5}, {})
     assert (data["distributed"]["nnodes"], sources["nnodes"]) == (5, "--nnodes")
     # --nnodes takes over the node layout: Slurm's values are not applied at all
-    data, sources = layer_distributed(MINIMAL, [], {"nnodes": 1}, SLURM)
+    data, sources = layer_distributed(MINIMAL, {}, {"nnodes": 1}, SLURM)
     assert data["distributed"] == {"nnodes": 1} and sources["rdzv_id"] == "default"
     # Slurm's numeric job id stays a string and validates (a number from --set too)
-    assert parse_recipe(layer_distributed(MINIMAL, [], {}, SLURM)[0]).distributed.rdzv_id == "4242"
-    assert parse_recipe(layer_distributed(MINIMAL, ["distributed.rdzv_id=99"], {}, {})[0]).distributed.rdzv_id == "99"
+    assert parse_recipe(layer_distributed(MINIMAL, {}, {}, SLURM)[0]).distributed.rdzv_id == "4242"
+    assert (
+        parse_recipe(layer_distributed(MINIMAL, {"distributed.rdzv_id": "99"}, {}, {})[0]).distributed.rdzv_id == "99"
+    )
 
 
 @pytest.mark.parametrize(
@@ -274,11 +271,11 @@ def test_nodes_share_one_run_dir(tmp_path):
     run = tmp_path / "run"
     node0 = plan_for(run, {**TWO_NODES, "node_rank": 0})
     node1 = plan_for(run, {**TWO_NODES, "node_rank": 1})
-    assert write_run_dir(node0) == []
+    assert write_run_dir(node0.run_dir, node0.files, node0.node_dir) == []
     (run / "model").mkdir()
     (run / ".model.tmp-abc").mkdir()  # node 0 still building the built-in model
     check_run_dir_free(run, "nodes/1")  # node 1 joins the directory node 0 just created
-    assert write_run_dir(node1) == []
+    assert write_run_dir(node1.run_dir, node1.files, node1.node_dir) == []
     assert sorted(p.name for p in (run / "nodes").iterdir()) == ["0", "1"]
     assert (run / "nodes/1/launch.sh").stat().st_mode & stat.S_IXUSR
     assert (run / "recipe.yaml").read_text() == node1.files["recipe.yaml"]
@@ -287,9 +284,11 @@ def test_nodes_share_one_run_dir(tmp_path):
         check_run_dir_free(run, "nodes/1")
     # a node started with another recipe: the shared files are left as node 0 wrote them, and reported
     other = tmp_path / "other"
-    write_run_dir(plan_for(other, {**TWO_NODES, "node_rank": 0}))
+    first = plan_for(other, {**TWO_NODES, "node_rank": 0})
+    write_run_dir(first.run_dir, first.files, first.node_dir)
     before = (other / "launch.json").read_text()
-    assert write_run_dir(plan_for(other, {**TWO_NODES, "node_rank": 1}, trainer={"learning_rate": 0.5})) == [
+    second = plan_for(other, {**TWO_NODES, "node_rank": 1}, trainer={"learning_rate": 0.5})
+    assert write_run_dir(second.run_dir, second.files, second.node_dir) == [
         "recipe.yaml",
         "launch.json",
     ]
@@ -345,9 +344,18 @@ def test_mismatch_message():
     assert "pass a new --run-dir on every node" in stale
 
 
-def test_worker_errors_are_found_once_in_the_log():
-    log = "noise\nerror: recipe mismatch X\n[rank1]: error: recipe mismatch X\nerror: other\nno error: here\n"
-    assert worker_errors(log) == ["recipe mismatch X", "other"]
+def test_rank_errors_are_reported_once_from_the_events_file(tmp_path, monkeypatch):
+    from colocate_rl.telemetry import events
+
+    for rank in ("0", "1"):  # every rank stops on the same mismatch
+        monkeypatch.setenv("RANK", rank)
+        events.emit(tmp_path, events.USER_ERROR, lines=["recipe mismatch X"])
+    events.emit(tmp_path, events.ENGINE_MEMORY, awake_gib=1.0, asleep_gib=None, sleep_level=0, config={})
+    events.emit(tmp_path, events.STALE_WEIGHTS, message="vLLM is not generating from the trainer's weights")
+    with (tmp_path / "events.jsonl").open("a") as f:
+        f.write('{"kind": "user_error", "lines": ["cut off')  # a rank killed mid-write
+    assert events.user_errors(tmp_path) == ["recipe mismatch X", "vLLM is not generating from the trainer's weights"]
+    assert [e["rank"] for e in events.read_events(tmp_path, events.USER_ERROR)] == [0, 1]
 
 
 # ------------------------------------------------------------------------------------------- scripts
@@ -361,7 +369,7 @@ def write_fake_srun(bin_dir: Path, log: Path) -> None:
     srun.write_text(f"""#!/usr/bin/env bash
 set -euo pipefail
 while [ "$#" -gt 0 ] && [ "${{1#-}}" != "$1" ]; do echo "$1" >> {log}; shift; done
-hosts=$({sys.executable} -c 'import sys; from colocate_rl.plan.sources import expand_hostlist; print(*expand_hostlist(sys.argv[1]))' "$SLURM_JOB_NODELIST")
+hosts=$({sys.executable} -c 'import sys; from colocate_rl.plan.slurm import expand_hostlist; print(*expand_hostlist(sys.argv[1]))' "$SLURM_JOB_NODELIST")
 i=0
 for host in $hosts; do
   SLURM_NODEID=$i SLURM_PROCID=$i SLURM_STEP_ID=0 SLURMD_NODENAME=$host SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST \\
@@ -373,7 +381,7 @@ done
 
 
 def test_slurm_script_literal_sbatch_header():
-    lines = (ROOT / "scripts/slurm.sbatch").read_text().splitlines()
+    lines = (ROOT / "examples/slurm.sbatch").read_text().splitlines()
     sbatch = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
     assert sbatch and all("$" not in lines[i] and "`" not in lines[i] for i in sbatch)
     # sbatch stops reading #SBATCH at the first command: only comments and blank lines before the last one
@@ -393,7 +401,7 @@ def test_slurm_script_dry_run_prints_each_node_command(tmp_path):
         SLURM_CPUS_PER_TASK="4",
     )
     result = subprocess.run(
-        ["bash", str(ROOT / "scripts/slurm.sbatch"), "quickstart", "--set", "trainer.max_steps=3"],
+        ["bash", str(ROOT / "examples/slurm.sbatch"), "quickstart", "--set", "trainer.max_steps=3"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -424,7 +432,7 @@ def test_slurm_script_dry_run_prints_each_node_command(tmp_path):
 
 def test_slurm_script_outside_slurm_fails_clearly(tmp_path):
     result = subprocess.run(
-        ["bash", str(ROOT / "scripts/slurm.sbatch"), "recipes/quickstart.yaml"],
+        ["bash", str(ROOT / "examples/slurm.sbatch"), "recipes/quickstart.yaml"],
         cwd=tmp_path,
         env=clean_env(),
         capture_output=True,
@@ -436,7 +444,7 @@ def test_slurm_script_outside_slurm_fails_clearly(tmp_path):
 
 def test_multinode_script_dry_run_commands_agree(tmp_path):
     env = clean_env(PATH=f"{VENV_BIN}:{os.environ['PATH']}", MASTER_ADDR="10.0.0.1", NNODES="2", RDZV_ID="job9")
-    script = str(ROOT / "scripts/multinode.sh")
+    script = str(ROOT / "examples/multinode.sh")
     result = subprocess.run(
         ["bash", script, "recipes/quickstart.yaml", "--set", "trainer.max_steps=3", "--dry-run"],
         cwd=ROOT,
@@ -481,7 +489,7 @@ def test_multinode_script_dry_run_commands_agree(tmp_path):
 def test_single_node_script_ignores_slurm(tmp_path):
     env = clean_env(PATH=f"{VENV_BIN}:{os.environ['PATH']}", DRY_RUN="1", **SLURM)
     result = subprocess.run(
-        ["bash", str(ROOT / "scripts/single-node.sh"), "recipes/quickstart.yaml"],
+        ["bash", str(ROOT / "examples/single-node.sh"), "recipes/quickstart.yaml"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -1,7 +1,7 @@
 """Known GPU failures in a log → advice naming the recipe keys (log lines as vLLM/torch print them)."""
 
 from colocate_rl.launch.failures import diagnose
-from colocate_rl.recipe.schema import parse_recipe
+from colocate_rl.recipe.load import parse_recipe
 
 RECIPE = parse_recipe(
     {"rewards": [{"name": "digit_share"}], "generation": {"vllm_gpu_memory_utilization": 0.5, "sleep_level": 0}}

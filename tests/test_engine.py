@@ -8,6 +8,7 @@ ZeRO-3 test real DeepSpeed partitioning over two torchrun ranks (gloo). The GPU 
 """
 
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from colocate_rl.plan.engine_options import EngineOptions
 from colocate_rl.rank import vllm_engine as E
+from colocate_rl.recipe.schema import GenerationSection
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,17 +86,23 @@ class FakeLLM:
         self.events.append(("reset_prefix_cache",))
 
 
+def engine_options(**changes) -> EngineOptions:
+    """The engine options of a default recipe, with `changes`."""
+    return dataclasses.replace(EngineOptions.from_generation(GenerationSection()), **changes)
+
+
 def make_engine(monkeypatch, model, events, **options):
     """A ColocatedEngine as TRL's trainer holds it after `_init_vllm`, without running vLLM's constructor."""
     from trl.distributed import DistributedBackend
 
-    cls = type("ColocatedEngine", (E.ColocatedEngine,), {"options": {**E.DEFAULT_OPTIONS, **options}})
+    # TRL's VLLMGeneration.__init__ starts vLLM, which cannot run here: the engine's own state comes from its
+    # _reset_cycle_state (what __init__ runs), TRL's fields the engine reads are set by hand.
+    cls = type("ColocatedEngine", (E.ColocatedEngine,), {"options": engine_options(**options)})
     eng = object.__new__(cls)
+    eng._reset_cycle_state()
     dist = object.__new__(DistributedBackend)
     dist.zero_stage, dist.fsdp_version = 0, None
     eng.mode, eng.model, eng._dist, eng.tensor_parallel_size = "colocate", model, dist, 1
-    eng.sleep_level = eng.options["sleep_level"]
-    eng._asleep, eng._weights_valid, eng._offloaded, eng.last_check = set(), True, False, []
     eng.llm = FakeLLM(model, events)
     if eng.sleep_level:
         eng._sleep()  # as _init_vllm does right after the engine starts
@@ -155,11 +164,10 @@ def test_install_makes_both_trainers_build_the_engine_with_the_options():
 
     before = grpo.VLLMGeneration, rloo.VLLMGeneration
     try:
-        cls = E.install({"sleep_level": 1, "enforce_eager": True})
+        options = engine_options(sleep_level=1, enforce_eager=True)
+        cls = E.install(options, Path("/runs/r"))
         assert grpo.VLLMGeneration is cls and rloo.VLLMGeneration is cls and issubclass(cls, E.VLLMGeneration)
-        assert cls.options["sleep_level"] == 1 and cls.options["bucket_bytes"] == E.DEFAULT_OPTIONS["bucket_bytes"]
-        with pytest.raises(ValueError, match="unknown engine options"):
-            E.install({"sleep_levle": 1})
+        assert cls.options is options and cls.run_dir == Path("/runs/r")
     finally:
         grpo.VLLMGeneration, rloo.VLLMGeneration = before
 
@@ -316,13 +324,14 @@ ZERO3_SCRIPT = textwrap.dedent("""
     ds_engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
     sharded = [n for n, p in model.named_parameters() if p.numel() == 0]
     events = []
-    cls = type("ColocatedEngine", (E.ColocatedEngine,), {{"options": {{**E.DEFAULT_OPTIONS, "sleep_level": 0,
-               "bucket_bytes": int(sys.argv[1])}}}})
+    from test_engine import engine_options
+    cls = type("ColocatedEngine", (E.ColocatedEngine,), {{"options": engine_options(sleep_level=0,
+               bucket_bytes=int(sys.argv[1]))}})
     eng = object.__new__(cls)
+    eng._reset_cycle_state()
     dist = object.__new__(DistributedBackend)
     dist.zero_stage, dist.fsdp_version = 3, None
     eng.mode, eng.model, eng._dist, eng.tensor_parallel_size = "colocate", model, dist, 1
-    eng.sleep_level, eng._asleep, eng._weights_valid, eng._offloaded = 0, set(), True, False
     eng.llm = FakeLLM(tiny_model(seed=2), events)  # vLLM starts with other weights
     eng.sync_weights()
     got = dict(eng.llm.vllm_model.named_parameters())
@@ -353,6 +362,7 @@ ZERO3_SCRIPT = textwrap.dedent("""
 
 
 # 4096 bytes: the fp32 embedding fills one bucket, each layer (9,472 bytes) spreads over ~3, packed in order: 9 loads
+@pytest.mark.slow  # two ranks under DeepSpeed ZeRO-3: ~15 s each
 @pytest.mark.parametrize("bucket_bytes, loads", [(2**30, 1), (4096, 9)])
 def test_zero3_bucketed_push_gathers_full_weights_on_two_ranks(tmp_path, bucket_bytes, loads):
     script = tmp_path / "zero3_push.py"

@@ -11,12 +11,15 @@ import pytest
 import yaml
 from conftest import assert_user_error
 
-from colocate_rl.builtin_model import LAYOUTS, param_count
+from colocate_rl.builtin_model import LAYOUTS
 from colocate_rl.errors import UserError
 from colocate_rl.memory import estimate as E
+from colocate_rl.memory import recommend as R
+from colocate_rl.memory import shapes as S
+from colocate_rl.pipeline import resolve
+from colocate_rl.plan.deepspeed import ZeroLayout
 from colocate_rl.plan.host import assumed_host
-from colocate_rl.plan.resolve import resolve
-from colocate_rl.recipe.schema import load_recipe
+from colocate_rl.recipe.load import load_recipe, parse_sets
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -31,18 +34,18 @@ PINNED = {"gpu-0.5b-layout": ("distributed.zero_stage=null", "trainer.gradient_c
 
 def resolved(recipe: str, gpus: int, *sets: str):
     sets = (*PINNED.get(recipe, ()), *sets)
-    return resolve(load_recipe(ROOT / "recipes" / f"{recipe}.yaml", list(sets)), assumed_host(gpus))
+    return resolve(load_recipe(ROOT / "recipes" / f"{recipe}.yaml", parse_sets(list(sets))), assumed_host(gpus))
 
 
 def est(recipe: str, gpus: int, *sets: str, gib: float = 80.0, prompt: int | None = None) -> E.Estimate:
     return E.estimate(resolved(recipe, gpus, *sets), gib, prompt)
 
 
-def rec(recipe: str, gpus: int, *sets: str, gib: float = 80.0) -> E.Recommendation:
+def rec(recipe: str, gpus: int, *sets: str, gib: float = 80.0) -> R.Recommendation:
     def as_sets(changes):
         return [*sets, *(f"{k}={json.dumps(v)}" for k, v in changes.items())]
 
-    return E.recommend(lambda changes: resolved(recipe, gpus, *as_sets(changes)), gib)
+    return R.recommend(lambda changes: resolved(recipe, gpus, *as_sets(changes)), gib)
 
 
 def cli(*args):
@@ -71,18 +74,19 @@ def cli(*args):
     ],
 )
 def test_parameter_counts_match_the_published_ones(name, params):
-    assert E.layout_for(name).params == params
-    assert E.layout_for(name.upper()).params == params  # hub ids are matched without case
+    assert S.layout_for(name).params == params
+    assert S.layout_for(name.upper()).params == params  # hub ids are matched without case
 
 
 def test_hub_table_covers_the_sizes_and_builtin_layouts_agree():
     for size in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b"):
-        assert f"qwen/qwen2.5-{size}" in E.HUB_LAYOUTS and f"qwen/qwen2.5-{size}-instruct" in E.HUB_LAYOUTS
+        assert f"qwen/qwen2.5-{size}" in S.HUB_LAYOUTS and f"qwen/qwen2.5-{size}-instruct" in S.HUB_LAYOUTS
     for size in ("8b", "70b"):
-        assert f"meta-llama/meta-llama-3-{size}-instruct" in E.HUB_LAYOUTS
-    for layout in LAYOUTS:  # builtin:<layout> goes through builtin_model.LAYOUTS: same count as param_count
-        assert E.layout_for(f"builtin:{layout}").params == param_count(layout)
-    assert E.layout_for("builtin:qwen2.5-7b") == E.HUB_LAYOUTS["qwen/qwen2.5-7b-instruct"]
+        assert f"meta-llama/meta-llama-3-{size}-instruct" in S.HUB_LAYOUTS
+    for layout in LAYOUTS:  # builtin:<layout> goes through builtin_model.LAYOUTS: the released shapes
+        if layout != "tiny":
+            assert S.layout_for(f"builtin:{layout}") == S.HUB_LAYOUTS[f"qwen/{layout}-instruct"], layout
+    assert S.layout_for("builtin:tiny").params == 107_072
 
 
 def test_layout_from_a_local_model_directory(tmp_path):
@@ -101,7 +105,7 @@ def test_layout_from_a_local_model_directory(tmp_path):
             }
         )
     )
-    assert E.layout_for(str(tmp_path)).params == 8_030_261_248
+    assert S.layout_for(str(tmp_path)).params == 8_030_261_248
     e = E.estimate(resolved("gpu-0.5b-layout", 1, f"model.name={tmp_path}"), 80.0)
     assert e.kv["bytes_per_token"] == 2 * 32 * 8 * 128 * 2  # K+V × layers × KV heads × head dim × bf16 = 131,072
 
@@ -126,19 +130,19 @@ def test_layout_from_a_local_model_directory(tmp_path):
 def test_unusable_config_json_is_a_user_error(tmp_path, config, fragment):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=fragment):
-        E.layout_for(str(tmp_path))
+        S.layout_for(str(tmp_path))
 
 
 def test_unknown_hub_id_says_to_pass_a_local_path():
     with pytest.raises(
         UserError, match="model.name: no layout known for 'org/NoSuchModel'; pass a local model directory"
     ):
-        E.layout_for("org/NoSuchModel")
+        S.layout_for("org/NoSuchModel")
 
 
 def test_import_is_light():
     code = (
-        "import sys, colocate_rl.memory.estimate; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
+        "import sys, colocate_rl.memory.recommend; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -193,7 +197,7 @@ def test_qwen05b_one_gpu_by_hand():
 
 def test_sleep_off_keeps_the_whole_share_in_every_phase():
     e = est("gpu-0.5b-layout", 1, "generation.sleep_level=0")
-    assert "vLLM sleep residue" not in e.terms and e.awake == E.PHASES
+    assert "vLLM sleep residue" not in e.terms and e.awake == E.MEMORY_PHASES
     training_fixed = 1.25 + 8 * N05 / GIB + 10.828125 + 16 * 257 * 151_936 * 4 / GIB  # 18.086 GiB besides vLLM
     assert e.total("training") == pytest.approx(training_fixed + 0.25 * 80)
     assert e.upper_phase == "training" and e.upper == pytest.approx((80 - training_fixed) / 80)  # 0.7739
@@ -210,7 +214,7 @@ def test_ddp_over_several_gpus_keeps_a_bucket_copy_of_the_gradients_and_a_refere
     assert e.terms["trainer gradients"]["generation"] == pytest.approx(4 * N05 / GIB)
     assert e.terms["reference model"]["training"] == pytest.approx(2 * N05 / GIB)
     # more than one rank: NCCL communicators of the trainer and of vLLM, in every phase
-    assert e.terms["NCCL communicators (trainer and vLLM)"] == {ph: 2.7 for ph in E.PHASES}
+    assert e.terms["NCCL communicators (trainer and vLLM)"] == {ph: 2.7 for ph in E.MEMORY_PHASES}
 
 
 @pytest.mark.parametrize(
@@ -517,7 +521,7 @@ PINNED_ZERO2 = [
 )
 def test_gap_to_the_probe_trials_on_the_h200(recipe, gpus, sets, measured, bounds):
     e = est(recipe, gpus, *sets, gib=140.4013671875)
-    for phase, m, (low, high) in zip(E.PHASES, measured, bounds):
+    for phase, m, (low, high) in zip(E.MEMORY_PHASES, measured, bounds):
         assert low <= (e.total(phase) - m) / m <= high, f"{phase}: estimate {e.total(phase):.2f} vs measured {m}"
 
 
@@ -528,7 +532,8 @@ def test_host_memory_of_offloaded_state_by_hand():
     # 7B, one GPU, ZeRO-3 + optimizer offload: fp32 master 4 + Adam 8 + fp32 gradients 4 = 16 B/param on the host:
     # 16 × 7,615,616,512 = 121,849,864,192 B = 113.48 GiB (the H200 host showed 152 GiB in use: processes on top)
     e = est("gpu-7b-layout-1gpu", 1, gib=139.8)
-    assert E.zero_of(e.resolved)[1:3] == (3, True) and e.host_gib == pytest.approx(16 * N7 / GIB)
+    zero = ZeroLayout.of(e.resolved.deepspeed)
+    assert (zero.stage, zero.offload_optimizer) == (3, True) and e.host_gib == pytest.approx(16 * N7 / GIB)
     assert 16 * N7 == 121_849_864_192 and e.host_gib == pytest.approx(113.48, abs=0.01)
     # 1.5B on 2 GPUs of one node, optimizer + parameter offload: each rank offloads its half, the node holds both
     e = est("gpu-1.5b-layout-zero3", 2, "distributed.offload_optimizer=true", "distributed.offload_params=true")
@@ -607,7 +612,7 @@ def test_cli_table_json_and_write(tmp_path):
     data = json.loads(result.stdout)
     assert set(data) >= {"terms", "phases", "window", "recommendation", "kv", "model"}
     assert data["model"]["params"] == N7 and data["fits"] is False
-    assert set(data["phases"]) == set(E.PHASES) and data["window"]["chosen"] == 0.28
+    assert set(data["phases"]) == set(E.MEMORY_PHASES) and data["window"]["chosen"] == 0.28
     assert data["recommendation"]["applied"] == ["gradient checkpointing", "ZeRO-3", "optimizer offload"]
     assert data["recommendation"]["estimate"]["fits"] is True
     written = yaml.safe_load(out.read_text())
@@ -712,4 +717,4 @@ def test_offload_trainer_during_generation_drops_optimizer_and_gradients_from_ge
 def test_sleep_level_one_leaves_the_same_gpu_residue_as_level_two():
     one, two = (est("gpu-0.5b-layout", 1, f"generation.sleep_level={k}", gib=H200) for k in (1, 2))
     assert one.awake == two.awake == ("generation",)
-    assert {p: one.total(p) for p in E.PHASES} == {p: two.total(p) for p in E.PHASES}
+    assert {p: one.total(p) for p in E.MEMORY_PHASES} == {p: two.total(p) for p in E.MEMORY_PHASES}

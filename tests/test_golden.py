@@ -11,11 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from colocate_rl.pipeline import load_resolved, parse_node_flags
-from colocate_rl.plan.launch_plan.plan import make_plan
 from typer.testing import CliRunner
 
 from colocate_rl.cli import app
+from colocate_rl.pipeline import load_resolved
+from colocate_rl.plan.host import planning_host
+from colocate_rl.plan.launch_plan import make_plan
+from colocate_rl.plan.sources import parse_node_flags
+from colocate_rl.recipe.load import parse_sets
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 RECORD = os.environ.get("COLOCATE_RL_RECORD_GOLDEN") == "1"
@@ -78,15 +81,11 @@ def test_dry_run_and_run_dir_files_are_unchanged(case, clean_env):
         flags = parse_node_flags(
             opts.get("--nnodes"), opts.get("--node-rank"), opts.get("--rdzv-endpoint"), opts.get("--rdzv-id")
         )
-        resolved, _ = load_resolved(
-            name,
-            {},
-            opts["--set"],
-            flags=flags,
-            env=os.environ,
-            gpus=int(opts["--gpus"]) if "--gpus" in opts else None,
-            gpu_memory=float(opts["--gpu-memory"]) if "--gpu-memory" in opts else None,
+        host = planning_host(
+            int(opts["--gpus"]) if "--gpus" in opts else None,
+            float(opts["--gpu-memory"]) if "--gpu-memory" in opts else None,
         )
+        resolved, _ = load_resolved(name, parse_sets(opts["--set"]), host=host, flags=flags, env=os.environ)
         plan = make_plan(
             resolved,
             run_dir=Path(run_dir),

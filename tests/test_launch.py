@@ -1,4 +1,5 @@
-"""Executing a plan with real subprocesses (no torchrun): exit codes, the DONE rule, signals, files."""
+"""Executing a plan with real subprocesses standing in for torchrun: exit codes, the DONE rule, signals, files,
+the run's errors and hints, and how `train` renders them."""
 
 import json
 import signal
@@ -9,9 +10,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from colocate_rl.launch.execute import LOG_FILE, execute, summarize
+from colocate_rl.cli.train import run_with_progress, step_line
+from colocate_rl.launch.execute import prepare, run
 from colocate_rl.plan.launch_plan import LaunchPlan
-from colocate_rl.recipe.schema import dump_recipe, parse_recipe
+from colocate_rl.recipe.load import dump_recipe, parse_recipe
+from colocate_rl.rundir import LOG, summarize
 
 RECIPE = dump_recipe(parse_recipe({"rewards": [{"name": "digit_share"}]}))
 
@@ -29,11 +32,27 @@ def plan_running(tmp_path: Path, code: str) -> LaunchPlan:
 def test_exit_code_is_propagated_and_files_written(tmp_path):
     plan = plan_running(tmp_path, "import os, sys; print('rank says', os.environ['RUN_MARK']); sys.exit(3)")
     console = Console(record=True, width=200)
-    assert execute(plan, console) == 3
+    assert run_with_progress(plan, console) == 3
     assert (plan.run_dir / "recipe.yaml").read_text() == RECIPE
     assert (plan.run_dir / "launch.sh").stat().st_mode & 0o100
-    assert "rank says x" in (plan.run_dir / LOG_FILE).read_text()
+    assert "rank says x" in (plan.run_dir / LOG).read_text()
     assert "training failed (torchrun exit 3)" in console.export_text()
+
+
+def test_errors_the_ranks_reported_and_hints_for_known_failures(tmp_path):
+    code = (
+        "import json, pathlib, sys; run = pathlib.Path(sys.argv[1]); "
+        "(run / 'events.jsonl').write_text(json.dumps({'kind': 'user_error', 'rank': 0, 'lines': ['nodes differ']})"
+        " + '\\n'); print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate'); sys.exit(1)"
+    )
+    plan = plan_running(tmp_path, code)
+    plan = LaunchPlan(plan.run_dir, [*plan.argv, str(plan.run_dir)], plan.env, plan.files)
+    prepare(plan)
+    result = run(plan)
+    assert result.code == 1 and not result.crashed_after_done
+    assert result.errors == ["nodes differ"]
+    assert len(result.hints) == 1 and result.hints[0].startswith("a rank ran out of GPU memory")
+    assert "CUDA out of memory" in result.log_tail()
 
 
 def test_crash_at_exit_after_done_counts_as_success(tmp_path):
@@ -41,7 +60,7 @@ def test_crash_at_exit_after_done_counts_as_success(tmp_path):
     run_dir = tmp_path / "run"
     code = f"import pathlib, os; pathlib.Path({str(run_dir)!r}, 'DONE').write_text('{{}}'); os.abort()"
     console = Console(record=True, width=200)
-    assert execute(plan_running(tmp_path, code), console) == 0
+    assert run_with_progress(plan_running(tmp_path, code), console) == 0
     assert "the run counts as successful" in console.export_text()
 
 
@@ -54,8 +73,9 @@ def test_metrics_drive_step_lines_and_summary(tmp_path):
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     code = f"import shutil; shutil.copy({str(tmp_path / 'records.jsonl')!r}, {str(run_dir / 'metrics.jsonl')!r})"
     console = Console(record=True, width=200)
-    assert execute(plan_running(tmp_path, code), console) == 0
+    assert run_with_progress(plan_running(tmp_path, code), console) == 0
     assert "step 3/3  reward 0.4000  loss 0.1000" in console.export_text()
+    assert step_line({"step": 2, "wall_s": 1.0, "time/generate_s": 0.5}) == "step 2/?  1.0s  [gen 0.50s]"
     assert summarize(run_dir) == {"steps": 3, "reward_first": 0.1, "reward_last": 0.4, "train_s": 1.5}
 
 
@@ -74,11 +94,11 @@ LAUNCHER = """
 import sys
 from pathlib import Path
 from rich.console import Console
-from colocate_rl.launch.execute import execute
+from colocate_rl.cli.train import run_with_progress
 from colocate_rl.plan.launch_plan import LaunchPlan
 run, rank = Path(sys.argv[1]), sys.argv[2]
 plan = LaunchPlan(run_dir=run, argv=[sys.executable, rank, str(run)], env={}, files={})
-sys.exit(execute(plan, Console()))
+sys.exit(run_with_progress(plan, Console()))
 """
 
 

@@ -6,14 +6,19 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 from conftest import assert_user_error
 
+from colocate_rl.launch import failures as F
+from colocate_rl.launch.failures import FAILED, KV_TOO_SMALL, OK, OOM, START_REFUSED, TIMEOUT, TOO_HIGH
+from colocate_rl.memory import peaks
 from colocate_rl.memory import probe as P
+from colocate_rl.memory.bisect import ProbeAborted, TrialResult, bisect
+from colocate_rl.plan.launch_plan import LaunchPlan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,14 +26,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def fake(threshold: float, too_low_below: float = 0.0, unknown_at: float | None = None, log: list | None = None):
     """A trial function: shares ≤ threshold complete, larger ones OOM, those below `too_low_below` lack KV cache."""
 
-    def trial(util: float) -> P.TrialResult:
+    def trial(util: float) -> TrialResult:
         if log is not None:
             log.append(util)
         if unknown_at is not None and util == unknown_at:
-            return P.TrialResult(util, P.FAILED, detail="ImportError: no module named flash_attn")
+            return TrialResult(util, FAILED, detail="ImportError: no module named flash_attn")
         if util < too_low_below:
-            return P.TrialResult(util, P.KV_TOO_SMALL)
-        return P.TrialResult(util, P.OK if util <= threshold + 1e-9 else P.OOM, steps=3)
+            return TrialResult(util, KV_TOO_SMALL)
+        return TrialResult(util, OK if util <= threshold + 1e-9 else OOM, steps=3)
 
     return trial
 
@@ -55,7 +60,7 @@ def fake(threshold: float, too_low_below: float = 0.0, unknown_at: float | None 
 )
 def test_bisection_finds_the_largest_passing_share(threshold, lower, upper, start, visited, largest, recommended):
     log = []
-    result = P.bisect(fake(threshold, log=log), lower, upper, 0.01, start=start, margin=0.02)
+    result = bisect(fake(threshold, log=log), lower, upper, 0.01, start=start, margin=0.02)
     assert log == visited
     assert [t.util for t in result.trials] == visited
     assert result.largest == largest and result.recommended == recommended
@@ -66,46 +71,46 @@ def test_bisection_finds_the_largest_passing_share(threshold, lower, upper, star
 @pytest.mark.parametrize("threshold", [0.137, 0.5, 0.731, 0.9])
 @pytest.mark.parametrize("resolution", [0.01, 0.02, 0.005])
 def test_bisection_is_within_one_resolution_of_the_true_threshold(threshold, resolution):
-    result = P.bisect(fake(threshold), 0.05, 0.95, resolution, start=0.1)
+    result = bisect(fake(threshold), 0.05, 0.95, resolution, start=0.1)
     assert threshold - resolution < result.largest <= threshold + 1e-9
     assert len(result.trials) <= 2 + int(0.9 / resolution).bit_length()
 
 
 def test_too_low_failures_move_the_lower_bound_up():
     log = []
-    result = P.bisect(fake(0.6, too_low_below=0.3, log=log), 0.02, 0.9, 0.01, start=0.1, margin=0.4)
-    assert log[0] == 0.1 and result.trials[0].outcome == P.KV_TOO_SMALL
+    result = bisect(fake(0.6, too_low_below=0.3, log=log), 0.02, 0.9, 0.01, start=0.1, margin=0.4)
+    assert log[0] == 0.1 and result.trials[0].outcome == KV_TOO_SMALL
     assert result.largest == 0.6
     assert all(u >= 0.3 for u in log[1:] if u <= 0.6)  # nothing below the KV failure is tried again
     assert result.recommended == result.smallest >= 0.3  # 0.6 − 0.4 is below the smallest share that passed
     # without a KV failure the estimate's lower bound holds: the margin applies even if one share was tried
-    alone = P.bisect(fake(0.99), 0.02, 0.94, 0.02, start=0.94, margin=0.02)
+    alone = bisect(fake(0.99), 0.02, 0.94, 0.02, start=0.94, margin=0.02)
     assert [t.util for t in alone.trials] == [0.94] and alone.smallest == 0.94 and alone.recommended == 0.92
 
 
 def test_no_passing_share_reports_why():
-    result = P.bisect(fake(0.01), 0.1, 0.3, 0.01, start=0.2)
+    result = bisect(fake(0.01), 0.1, 0.3, 0.01, start=0.2)
     assert result.largest is None and result.recommended is None
     assert "no share in the window completed the steps: 0.1 is too high" in result.notes[-1]
-    squeezed = P.bisect(fake(0.25, too_low_below=0.3), 0.1, 0.5, 0.01)
+    squeezed = bisect(fake(0.25, too_low_below=0.3), 0.1, 0.5, 0.01)
     assert squeezed.largest is None and "too low" in squeezed.notes[-1]
 
 
 def test_an_unknown_failure_aborts_the_probe():
-    with pytest.raises(P.ProbeAborted) as info:
-        P.bisect(fake(0.5, unknown_at=0.53), 0.02, 0.97, 0.01, start=0.08)
+    with pytest.raises(ProbeAborted) as info:
+        bisect(fake(0.5, unknown_at=0.53), 0.02, 0.97, 0.01, start=0.08)
     assert info.value.trial.util == 0.53 and [t.util for t in info.value.trials] == [0.08, 0.53]
 
     def timeout(u):
-        return P.TrialResult(u, P.TIMEOUT)
+        return TrialResult(u, TIMEOUT)
 
-    with pytest.raises(P.ProbeAborted):
-        P.bisect(timeout, 0.1, 0.5, 0.01)
+    with pytest.raises(ProbeAborted):
+        bisect(timeout, 0.1, 0.5, 0.01)
 
 
 def test_an_empty_window_is_an_error():
     with pytest.raises(ValueError, match="no share"):
-        P.bisect(fake(0.5), 0.415, 0.419, 0.01)
+        bisect(fake(0.5), 0.415, 0.419, 0.01)
 
 
 # ----------------------------------------------------------------------------------------- classification
@@ -117,52 +122,52 @@ def test_an_empty_window_is_an_error():
         (
             "[rank0]: ValueError: Free memory on device cuda:0 (38.2/139.8 GiB) on startup is less than desired GPU memory "
             "utilization (0.9, 125.8 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
-            P.START_REFUSED,
+            START_REFUSED,
             "[rank0]: ValueError: Free memory on device cuda:0",
         ),
         (
             "INFO loading\n[rank0]: ValueError: No available memory for the cache blocks. Try increasing "
             "`gpu_memory_utilization` when initializing the engine.\nexit",
-            P.KV_TOO_SMALL,
+            KV_TOO_SMALL,
             "[rank0]: ValueError: No avail",
         ),
         (
             "ValueError: To serve at least one request with the models's max seq len (32768), (0.38 GiB KV cache is needed, "
             "which is larger than the available KV cache memory (0.12 GiB). Based on the available memory, the estimated "
             "maximum model length is 9984.",
-            P.KV_TOO_SMALL,
+            KV_TOO_SMALL,
             "ValueError: To serve",
         ),
         (
             "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.32 GiB. GPU 1 has a total capacity",
-            P.OOM,
+            OOM,
             "[rank1]: torch.OutOfMemoryError",
         ),
         (
             "RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
-            P.OOM,
+            OOM,
             "RuntimeError: CUDA error: out of memory",
         ),
         # vLLM's sleep-mode allocator waking up on a full GPU (H200, 1.5B ZeRO-3 at share 0.9)
         (
             "[rank0]: RuntimeError: CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163",
-            P.OOM,
+            OOM,
             "[rank0]: RuntimeError: CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163",
         ),
-        ("ModuleNotFoundError: No module named 'flash_attn'", P.FAILED, ""),
+        ("ModuleNotFoundError: No module named 'flash_attn'", FAILED, ""),
         # the earliest failure is the cause: an OOM that follows a KV failure on another rank does not count
         (
             "[rank0]: ValueError: No available memory for the cache blocks.\n[rank1]: torch.OutOfMemoryError: CUDA out of "
             "memory.",
-            P.KV_TOO_SMALL,
+            KV_TOO_SMALL,
             "[rank0]: ValueError: No available memory for the cache blocks.",
         ),
     ],
 )
 def test_failures_are_classified_from_the_log(log, outcome, line):
-    got, got_line = P.classify_failure(log)
+    got, got_line = F.classify_failure(log)
     assert got == outcome and got_line.startswith(line)
-    assert (got in P.TOO_HIGH) == (outcome in (P.START_REFUSED, P.OOM))
+    assert (got in TOO_HIGH) == (outcome in (START_REFUSED, OOM))
 
 
 # ---------------------------------------------------------------------------------------------- phase peaks
@@ -222,12 +227,12 @@ def test_phase_peaks_from_a_timeline(tmp_path):
         tmp_path / "timeline" / "rank0.jsonl", 0, [first, step(40.0, 9.5, 12.0, 10.5), step(41.0, 9.0, 12.5, 10.0)]
     )
     write_timeline(tmp_path / "timeline" / "rank1.jsonl", 1, [first, step(39.0, 9.8, 11.0, 11.0)])
-    mapped, raw = P.phase_peaks(tmp_path)
+    mapped, raw = peaks.phase_peaks(tmp_path)
     # the 60 GiB sample inside `sleep` (nested in generate) is not generation's, nor the first step's 90 GiB
     assert mapped == {"generation": 41.0, "weight sync": 9.8, "training": 12.5, "optimizer step": 11.0}
     assert raw["sleep"] == raw["generate"] == raw["train"] == 60.0  # raw: nested phases included
-    assert list(mapped) == list(P.PHASES)
-    everything, _ = P.phase_peaks(tmp_path, skip_first=False)
+    assert list(mapped) == list(peaks.MEMORY_PHASES)
+    everything, _ = peaks.phase_peaks(tmp_path, skip_first=False)
     assert everything["generation"] == 90.0 and everything["weight sync"] == 50.0
 
 
@@ -251,7 +256,7 @@ def test_a_phase_start_edge_belongs_to_the_phase_before(tmp_path):
     path = tmp_path / "timeline" / "rank0.jsonl"
     path.parent.mkdir(parents=True)
     path.write_text("".join(json.dumps(x) + "\n" for x in [{"rank": 0}, *lines]))
-    mapped, raw = P.phase_peaks(tmp_path, skip_first=False)
+    mapped, raw = peaks.phase_peaks(tmp_path, skip_first=False)
     assert mapped["weight sync"] == raw["weight_sync"] == 15.7
     assert mapped["training"] == mapped["optimizer step"] == 28.9
 
@@ -272,7 +277,7 @@ def test_the_weight_sync_peak_starts_at_the_wake_of_the_weights(tmp_path):
             *sync,
         ]
         path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-        return P.phase_peaks(tmp_path / name, skip_first=False)[0]["weight sync"]
+        return peaks.phase_peaks(tmp_path / name, skip_first=False)[0]["weight sync"]
 
     start, end = (
         {"phase": "weight_sync", "edge": "start", "mem": 17.684},
@@ -298,7 +303,7 @@ def test_the_weight_sync_peak_starts_at_the_wake_of_the_weights(tmp_path):
 def test_phase_peaks_of_a_single_step_or_a_crash(tmp_path):
     one = tmp_path / "one"
     write_timeline(one / "timeline" / "rank0.jsonl", 0, [step(30.0, 9.0, 12.0, 10.0)])
-    assert P.phase_peaks(one)[0]["generation"] == 30.0  # only the first step: it is used
+    assert peaks.phase_peaks(one)[0]["generation"] == 30.0  # only the first step: it is used
     crash = tmp_path / "crash"  # OOM in generation of step 2: the phase never ended, the last line is cut off
     write_timeline(crash / "timeline" / "rank0.jsonl", 0, [step(30.0, 9.0, 12.0, 10.0)])
     with (crash / "timeline" / "rank0.jsonl").open("a") as f:
@@ -309,11 +314,11 @@ def test_phase_peaks_of_a_single_step_or_a_crash(tmp_path):
         ):
             f.write(json.dumps(line) + "\n")
         f.write('{"mem": 78')
-    assert P.phase_peaks(crash)[0]["generation"] == 77.0
+    assert peaks.phase_peaks(crash)[0]["generation"] == 77.0
 
 
 def test_comparison_rows():
-    rows = P.comparison(
+    rows = peaks.comparison(
         {"generation": 39.3, "weight sync": 6.3, "training": 14.0, "optimizer step": 6.3},
         {"generation": 41.5, "training": 14.6, "optimizer step": 6.3},
     )
@@ -324,60 +329,53 @@ def test_comparison_rows():
 # --------------------------------------------------------------------------------------------- trial runner
 
 
-def test_trial_command_puts_the_probes_settings_after_the_users(tmp_path):
-    argv = P.trial_command(
-        "r.yaml",
-        0.35,
-        tmp_path / "t",
-        3,
-        ["generation.enforce_eager=true", "generation.vllm_gpu_memory_utilization=0.9"],
-    )
-    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
-    assert argv[1:6] == ["-m", "colocate_rl", "train", "r.yaml", "--run-dir"]
-    assert sets == [
-        "generation.enforce_eager=true",
-        "generation.vllm_gpu_memory_utilization=0.9",
-        "generation.vllm_gpu_memory_utilization=0.35",
-        "trainer.max_steps=3",
-        *P.TRIAL_SETS,
-    ]
+def stand_in(tmp_path: Path, script: str) -> LaunchPlan:
+    """A trial's plan whose 'torchrun' is a shell script (stands in for the ranks)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "ranks.sh").write_text(script)
+    return LaunchPlan(run_dir=tmp_path / "trial-1-util0.3", argv=["sh", str(tmp_path / "ranks.sh")], env={}, files={})
+
+
+def test_the_probes_settings_come_after_the_users():
+    assert P.trial_overrides(0.35, 3) == {
+        "generation.vllm_gpu_memory_utilization": 0.35,
+        "trainer.max_steps": 3,
+        "trainer.logging_steps": 1,
+        "trainer.save_steps": 0,
+        "output.save_model": False,
+    }
 
 
 def test_a_trial_past_its_timeout_is_ended_with_every_process_it_started(tmp_path):
-    # a stand-in for `python -m colocate_rl train`: starts a grandchild in its own session (as train starts
-    # torchrun), records its pid, and never finishes
-    fake_python = tmp_path / "python"
-    fake_python.write_text(
-        "#!/bin/sh\nsetsid sleep 300 &\necho $! > " + str(tmp_path / "child.pid") + "\necho 'starting'\nsleep 300\n"
-    )
-    fake_python.chmod(0o755)
-    begin = time.monotonic()
-    result = P.run_trial("recipe.yaml", 0.3, tmp_path / "trial-1-util0.3", 3, timeout_s=2, python=str(fake_python))
-    assert result.outcome == P.TIMEOUT and not result.ok and "no result after 2 s" in result.detail
-    assert time.monotonic() - begin < 30
+    # the stand-in starts a grandchild in its own session (as vLLM's engine processes may be), records its pid,
+    # and never finishes
+    plan = stand_in(tmp_path, f"setsid sleep 300 &\necho $! > {tmp_path / 'child.pid'}\necho 'starting'\nsleep 300\n")
+    result = P.run_trial(plan, 0.3, 3, timeout_s=2)
+    assert result.outcome == TIMEOUT and not result.ok and "no result after 2 s" in result.detail
     child = int((tmp_path / "child.pid").read_text())
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
-    assert "starting" in (tmp_path / "trial-1-util0.3.out").read_text()
+    assert "starting" in (plan.run_dir / "train.log").read_text()
 
 
-def test_a_failing_trial_is_classified_from_its_output(tmp_path):
-    fake_python = tmp_path / "python"
-    fake_python.write_text(
-        "#!/bin/sh\necho '[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate'\nexit 1\n"
-    )
-    fake_python.chmod(0o755)
-    result = P.run_trial("recipe.yaml", 0.8, tmp_path / "t", 3, timeout_s=30, python=str(fake_python))
-    assert result.outcome == P.OOM and result.detail.startswith("[rank0]: torch.OutOfMemoryError")
+def test_a_failing_trial_is_classified_from_its_log(tmp_path):
+    plan = stand_in(tmp_path, "echo '[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate'\nexit 1\n")
+    result = P.run_trial(plan, 0.8, 3, timeout_s=30)
+    assert result.outcome == OOM and result.detail.startswith("[rank0]: torch.OutOfMemoryError")
     assert "CUDA out of memory" in result.log_tail and result.steps == 0 and result.peaks == {}
+    unknown = P.run_trial(stand_in(tmp_path / "b", "exit 4\n"), 0.8, 3, timeout_s=30)
+    assert unknown.outcome == FAILED and unknown.detail.startswith("exit code 4 after 0 of 3 steps")
 
 
 @pytest.mark.slow
-def test_one_real_trial_of_the_quickstart_on_cpu(tmp_path):
-    """The runner end to end: real `colocate-rl train` (builtin:tiny, 2 ranks, ZeRO-3, transformers generation on
-    CPU; the share is unused there), real metrics and timelines."""
-    result = P.run_trial(
-        ROOT / "recipes" / "quickstart.yaml", 0.5, tmp_path / "probe" / P.trial_name(1, 0.5), 2, timeout_s=600, cwd=ROOT
-    )
+def test_one_real_trial_of_the_quickstart_on_cpu(tmp_path, monkeypatch):
+    """The runner end to end: the quickstart planned as a trial (builtin:tiny, 2 ranks, ZeRO-3, transformers
+    generation on CPU; the share is unused there) and run through real torchrun: real metrics and timelines."""
+    from colocate_rl.pipeline import load_resolved
+    from colocate_rl.plan.host import Host
+
+    monkeypatch.chdir(ROOT)
+    resolved = load_resolved("quickstart", P.trial_overrides(0.5, 2), host=Host(cpu_count=2), env={})[0]
+    result = P.run_trial(P.plan_trial(resolved, tmp_path / "probe" / P.trial_name(1, 0.5)), 0.5, 2, timeout_s=600)
     log = tmp_path / "probe" / "trial-1-util0.5" / "train.log"
     assert result.ok, result.detail + "\n" + result.log_tail + (log.read_text()[-3000:] if log.exists() else "")
     assert result.steps == 2 and result.run_dir == str(tmp_path / "probe" / "trial-1-util0.5")
@@ -411,25 +409,24 @@ def test_measuring_without_a_gpu_says_so_in_one_line():
 
 
 def test_write_recipe_replaces_the_file_whole(tmp_path):
-    from colocate_rl.cli import _write_recipe
     from colocate_rl.errors import UserError
+    from colocate_rl.recipe.load import write_recipe_copy
 
     out = tmp_path / "out.yaml"
-    _write_recipe(
-        out, ROOT / "recipes" / "gpu-0.5b-layout.yaml", ["generation.vllm_gpu_memory_utilization=0.61"], "probed"
-    )
+    source = ROOT / "recipes" / "gpu-0.5b-layout.yaml"
+    write_recipe_copy(out, source, {"generation.vllm_gpu_memory_utilization": 0.61}, "probed")
     text = out.read_text()
     assert text.startswith("# probed\n") and "vllm_gpu_memory_utilization: 0.61" in text
     assert [p.name for p in tmp_path.iterdir()] == ["out.yaml"]  # no temp file left behind
     with pytest.raises(UserError, match="is not a directory"):
-        _write_recipe(tmp_path / "missing" / "out.yaml", ROOT / "recipes" / "gpu-0.5b-layout.yaml", [], "x")
+        write_recipe_copy(tmp_path / "missing" / "out.yaml", source, {}, "x")
 
 
 def test_bench_script_dry_run_prints_the_commands(tmp_path):
     result = subprocess.run(
         [
             sys.executable,
-            "scripts/bench_mem_probe.py",
+            "benchmarks/bench_mem_probe.py",
             "--out",
             str(tmp_path),
             "--dry-run",
@@ -453,7 +450,7 @@ def test_bench_script_dry_run_prints_the_commands(tmp_path):
     assert "generation.vllm_gpu_memory_utilization=U" in verify and "generation.enforce_eager=true" in verify
     assert lines[2].startswith("CUDA_VISIBLE_DEVICES=0,1 ") and "gpu-1.5b-layout-zero3.yaml" in lines[2]
     bad = subprocess.run(
-        [sys.executable, "scripts/bench_mem_probe.py", "--out", str(tmp_path), "--dry-run", "--cases", "7b"],
+        [sys.executable, "benchmarks/bench_mem_probe.py", "--out", str(tmp_path), "--dry-run", "--cases", "7b"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -465,40 +462,42 @@ def test_bench_script_dry_run_prints_the_commands(tmp_path):
 def test_bench_verification_resumes_from_its_trial_log(tmp_path, monkeypatch):
     """The bench's 20-step bisection (trials faked: a real one needs a GPU) reuses the trials a cut-off session
     finished, and counts a share the probe saw run out of memory as too high without running it."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import argparse
 
     import bench_mem_probe as B
 
     ran = []
 
-    def run_trial(recipe, util, run_dir, steps, sets, timeout_s, **kwargs):
+    def run_trial(plan, util, steps, timeout_s):
         ran.append(util)
-        Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
-        Path(str(run_dir) + ".out").write_text("")
-        return P.TrialResult(util, P.OK if util <= 0.86 else P.OOM, 9.0, steps if util <= 0.86 else 4, str(run_dir))
+        plan.run_dir.mkdir(parents=True)
+        ok = util <= 0.86
+        return TrialResult(util, OK if ok else OOM, 9.0, steps if ok else 4, str(plan.run_dir))
 
     monkeypatch.setattr(B.P, "run_trial", run_trial)
     args = argparse.Namespace(steps=3, verify_steps=20, band=0.04, resolution=0.02, trial_timeout=60)
     probe_trials = [
-        {"util": 0.9, "outcome": P.OOM, "steps": 1, "detail": "CUDA error: out of memory"},
-        {"util": 0.88, "outcome": P.OK, "steps": 3},
+        {"util": 0.9, "outcome": OOM, "steps": 1, "detail": "CUDA error: out of memory"},
+        {"util": 0.88, "outcome": OK, "steps": 3},
     ]
-    first = B.verify("r.yaml", [], "0", 0.88, tmp_path, args, probe_trials)
+    monkeypatch.chdir(ROOT)
+    recipe = "recipes/quickstart.yaml"
+    first = B.verify(recipe, [], "0", 0.88, tmp_path, args, probe_trials)
     assert ran == [0.88, 0.84, 0.86] and first["true_largest"] == 0.86  # 0.90 was not rerun
-    assert [t["outcome"] for t in first["trials"]] == [P.OOM, P.OK, P.OK]
+    assert [t["outcome"] for t in first["trials"]] == [OOM, OK, OK]
     ran.clear()  # a wider band: 0.90 lies above the probe's failure at 0.88, so it is not run either
     args.band = 0.08
-    passing = B.verify("r.yaml", [], "0", 0.84, tmp_path / "b", args, [{**probe_trials[0], "util": 0.88}])
+    passing = B.verify(recipe, [], "0", 0.84, tmp_path / "b", args, [{**probe_trials[0], "util": 0.88}])
     assert ran == [0.84, 0.86] and passing["true_largest"] == 0.86 and passing["bound"] == ""
     assert [t["util"] for t in passing["trials"]] == [0.84, 0.9, 0.88, 0.86]
-    assert sorted(p.name for p in tmp_path.glob("trial-*.out")) == [
-        "trial-1-util0.88.out",
-        "trial-2-util0.84.out",
-        "trial-3-util0.86.out",
+    assert sorted(p.name for p in tmp_path.glob("trial-*")) == [
+        "trial-1-util0.88",
+        "trial-2-util0.84",
+        "trial-3-util0.86",
     ]
     ran.clear()
-    again = B.verify("r.yaml", [], "0", 0.88, tmp_path, args, probe_trials)
+    again = B.verify(recipe, [], "0", 0.88, tmp_path, args, probe_trials)
     assert ran == [] and again["true_largest"] == 0.86 and again["bound"] == ""
 
 
@@ -512,11 +511,12 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     monkeypatch.setattr(host, "detect_host", lambda: host.assumed_host(1, 140.4))
     calls = []
 
-    def run_trial(recipe, util, run_dir, steps, sets, timeout_s, **kwargs):
-        calls.append((Path(run_dir).name, steps, list(sets)))
+    def run_trial(plan, util, steps, timeout_s):
+        recipe = yaml.safe_load(plan.files["recipe.yaml"])
+        calls.append((plan.run_dir.name, steps, recipe))
         peaks = {"generation": 8.6 + util * 140.4, "weight sync": 6.4, "training": 14.5, "optimizer step": 6.3}
-        return P.TrialResult(
-            util, P.OK if util <= 0.6 else P.OOM, 1.0, steps if util <= 0.6 else 1, str(run_dir), peaks=peaks
+        return TrialResult(
+            util, OK if util <= 0.6 else OOM, 1.0, steps if util <= 0.6 else 1, str(plan.run_dir), peaks=peaks
         )
 
     monkeypatch.setattr(P, "run_trial", run_trial)
@@ -544,8 +544,19 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
         "distributed.offload_params=false",
         "trainer.gradient_checkpointing=false",
     ]
-    assert calls[0] == ("trial-1-util0.94", 2, ["generation.enforce_eager=true", *pinned])
-    assert all(c[2] == calls[0][2] for c in calls)
+    name, steps, recipe = calls[0]
+    assert (name, steps) == ("trial-1-util0.94", 2)
+    assert recipe["generation"]["enforce_eager"] is True and recipe["generation"]["vllm_gpu_memory_utilization"] == 0.94
+    dist, trainer = recipe["distributed"], recipe["trainer"]
+    assert (dist["deepspeed"], dist["zero_stage"], dist["offload_optimizer"], dist["offload_params"]) == (
+        "zero3",
+        2,
+        False,
+        False,
+    )
+    assert trainer["gradient_checkpointing"] is False and trainer["max_steps"] == 2 and trainer["logging_steps"] == 1
+    assert recipe["output"]["save_model"] is False
+    assert all(c[2]["distributed"] == dist and c[2]["trainer"] == trainer for c in calls)
     gen = data["phases"][0]
     assert gen["phase"] == "generation" and gen["measured_gib"] == pytest.approx(8.6 + 0.6 * 140.4)
     assert abs(gen["error_pct"]) < 5  # the fake measurement is close to the estimate
@@ -564,9 +575,9 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     assert "recommended: generation.vllm_gpu_memory_utilization 0.58" in table.output
     assert "layout (auto): ZeRO-2 confirmed" in table.output
 
-    def roomy(recipe, util, run_dir, steps, sets, timeout_s, **kwargs):  # the estimate's top (0.94) is too low
+    def roomy(plan, util, steps, timeout_s):  # the estimate's top (0.94) is too low
         calls.append(util)
-        return P.TrialResult(util, P.OK if util <= 0.97 else P.START_REFUSED, 1.0, steps, str(run_dir))
+        return TrialResult(util, OK if util <= 0.97 else START_REFUSED, 1.0, steps, str(plan.run_dir))
 
     calls.clear()
     monkeypatch.setattr(P, "run_trial", roomy)
@@ -575,9 +586,9 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     assert calls == [0.94, 0.97, 0.98] and found["searched"][1] == pytest.approx(0.989, abs=1e-3)
     assert found["largest_passing"] == 0.97 and found["recommended"] == 0.95 and found["estimate"]["upper"] < 0.95
 
-    def too_big(recipe, util, run_dir, steps, sets, timeout_s, **kwargs):  # training needs more than auto assumed
-        return P.TrialResult(
-            util, P.OK, 1.0, steps, str(run_dir), peaks={"generation": 4.2 + util * 140.4, "training": 131.0}
+    def too_big(plan, util, steps, timeout_s):  # training needs more than auto assumed
+        return TrialResult(
+            util, OK, 1.0, steps, str(plan.run_dir), peaks={"generation": 4.2 + util * 140.4, "training": 131.0}
         )
 
     monkeypatch.setattr(P, "run_trial", too_big)
@@ -592,6 +603,6 @@ def test_peak_moved_to_another_share():
     def est(u):
         return {"generation": 10 + 100 * u, "training": 20.0}  # sleep on: training has no share
 
-    assert P.peak_at_share({"generation": 75.0, "training": 22.0}, 0.6, 0.25, est) == pytest.approx(40.0)
-    assert P.peak_at_share({"generation": 30.0, "training": 22.0}, 0.6, 0.25, est) == 22.0
-    assert P.peak_at_share({}, 0.6, 0.25, est) is None
+    assert peaks.peak_at_share({"generation": 75.0, "training": 22.0}, 0.6, 0.25, est) == pytest.approx(40.0)
+    assert peaks.peak_at_share({"generation": 30.0, "training": 22.0}, 0.6, 0.25, est) == 22.0
+    assert peaks.peak_at_share({}, 0.6, 0.25, est) is None

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from colocate_rl.pipeline import resolve
 from colocate_rl.plan.deepspeed import build_deepspeed_config
 from colocate_rl.plan.host import assumed_host, detect_host
 from colocate_rl.plan.launch_plan import make_plan
-from colocate_rl.plan.resolve import resolve
-from colocate_rl.recipe.schema import load_recipe
+from colocate_rl.recipe.load import load_recipe
 from colocate_rl.recipe.shipped import recipe_summary, shipped_deepspeed_configs, shipped_recipes
 
 RECIPES = shipped_recipes()

@@ -1,32 +1,77 @@
-"""Turn known failures in a run's log into one-line advice that names the recipe keys to change."""
+"""Known failures in a run's log: one table of signatures (vLLM's and torch's own wording), used to classify a
+measuring probe's trial (`colocate_rl.memory.probe`) and to turn a failed run's log into one-line advice that names
+the recipe keys to change (`diagnose`)."""
 
 from __future__ import annotations
 
+import re
+
 from colocate_rl.recipe.schema import Recipe
 
+OK = "ok"
+START_REFUSED = "vLLM refused to start"  # the share is not free at start-up: too high
+KV_TOO_SMALL = "KV cache too small"  # the share leaves no KV room for one sequence / batch: too low
+OOM = "out of memory"  # a rank ran out of GPU memory while training or generating: too high
+TIMEOUT = "timeout"
+FAILED = "failed"  # anything else
+TOO_HIGH, TOO_LOW = {START_REFUSED, OOM}, {KV_TOO_SMALL}
+
+SIGNATURES: list[tuple[str, str]] = [
+    (START_REFUSED, r"less than desired GPU memory utilization"),
+    (KV_TOO_SMALL, r"No available memory for the cache blocks"),
+    (KV_TOO_SMALL, r"larger than the available KV cache memory"),
+    (KV_TOO_SMALL, r"maximum number of tokens that can be stored in KV cache"),
+    (KV_TOO_SMALL, r"estimated maximum model length is"),
+    (KV_TOO_SMALL, r"Try increasing `?gpu_memory_utilization`?"),
+    (OOM, r"CUDA out of memory"),
+    (OOM, r"OutOfMemoryError"),
+    (OOM, r"(?i)CUDA error: out of memory"),  # also vLLM's sleep-pool allocator: "CUDA Error: out of memory at …"
+    (OOM, r"CUDA_ERROR_OUT_OF_MEMORY"),
+    (OOM, r"cudaErrorMemoryAllocation"),
+]
 MEM_PROBE = "`colocate-rl mem-probe RECIPE` measures what fits on the GPUs (`--estimate` computes it without one)"
 
 
-def diagnose(log_text: str, recipe: Recipe) -> list[str]:
-    """Advice lines for the failures recognised in `log_text` (empty when none is recognised)."""
+def classify_failure(text: str) -> tuple[str, str]:
+    """(kind, the log line) of the earliest known failure in `text`; (FAILED, '') when none is recognised."""
+    found = []
+    for kind, pattern in SIGNATURES:
+        match = re.search(pattern, text)
+        if match:
+            found.append((match.start(), kind))
+    if not found:
+        return FAILED, ""
+    pos, kind = min(found)
+    line_start = text.rfind("\n", 0, pos) + 1
+    line_end = text.find("\n", pos)
+    return kind, text[line_start : line_end if line_end >= 0 else len(text)].strip()[:400]
+
+
+def failures_in(text: str) -> list[str]:
+    """Every kind of known failure in `text`, in SIGNATURES order."""
+    return [
+        kind
+        for kind in dict.fromkeys(k for k, _ in SIGNATURES)
+        if any(re.search(p, text) for k, p in SIGNATURES if k == kind)
+    ]
+
+
+def advice(kind: str, recipe: Recipe) -> str | None:
+    """One line naming the recipe keys to change for a failure of `kind`; None for kinds without advice."""
     gen = recipe.generation
     util = gen.vllm_gpu_memory_utilization
-    advice = []
-    if "less than desired GPU memory utilization" in log_text:
-        advice.append(
+    if kind == START_REFUSED:
+        return (
             f"vLLM could not reserve generation.vllm_gpu_memory_utilization={util} of the GPU at start-up (the "
             f"trainer or another process already holds that memory): lower it (e.g. {max(0.05, round(util - 0.1, 2))}),"
             " or free the GPU; " + MEM_PROBE
         )
-    if (
-        "No available memory for the cache blocks" in log_text
-        or "larger than the available KV cache memory" in log_text
-    ):
-        advice.append(
+    if kind == KV_TOO_SMALL:
+        return (
             f"vLLM's KV cache does not fit in generation.vllm_gpu_memory_utilization={util}: raise it, or lower "
             "generation.max_model_length / trainer.max_completion_length; " + MEM_PROBE
         )
-    if "CUDA out of memory" in log_text or "OutOfMemoryError" in log_text:
+    if kind == OOM:
         steps = []
         if not gen.sleep_level:
             steps.append("turn on sleep mode (generation.sleep_level: 2)")
@@ -38,5 +83,10 @@ def diagnose(log_text: str, recipe: Recipe) -> list[str]:
         if recipe.trainer.gradient_checkpointing is not True:
             steps.append("set trainer.gradient_checkpointing: true")
         steps.append("lower trainer.per_device_train_batch_size or trainer.max_completion_length")
-        advice.append("a rank ran out of GPU memory: " + ", ".join(steps) + "; " + MEM_PROBE)
-    return advice
+        return "a rank ran out of GPU memory: " + ", ".join(steps) + "; " + MEM_PROBE
+    return None
+
+
+def diagnose(log_text: str, recipe: Recipe) -> list[str]:
+    """Advice lines for the failures recognised in `log_text` (empty when none is recognised)."""
+    return [line for kind in failures_in(log_text) if (line := advice(kind, recipe))]

@@ -1,48 +1,20 @@
 """`distributed.zero_stage: auto` and `trainer.gradient_checkpointing: auto`: the fastest trainer layout that fits.
 
-`choose_layout` is a pure function of a resolved recipe and the GPU memory: it lists the candidate layouts in
-order of speed, estimates each one's peak memory per GPU with `colocate_rl.memory.estimate` (the arithmetic of
-`mem-probe --estimate`), and takes the first whose peak is at most the GPU's memory less a safety margin.
+`choose_layout` is a pure function of a resolved recipe and the GPU memory. It lists the candidates fastest first
+(order by measured speed, not by memory saved): ZeRO-2, ZeRO-3, ZeRO-3 + optimizer offload, ZeRO-3 + optimizer
+and parameter offload; with `gradient_checkpointing: auto` each stage without checkpointing, then with it. Explicit
+settings win: offload set in the recipe (or in the DeepSpeed JSON it names) applies to every candidate (invalid
+ones and duplicates drop out), and an explicit `zero_stage` leaves only checkpointing to choose. Plain DDP and
+ZeRO-1 are chosen only explicitly.
 
-Candidate order (by measured speed, not by how much memory each saves). Reference run: 2 H200s, random-init
-Qwen2.5-1.5B layout, 32 completions × 256 tokens per step, sleep mode on, median s/step: ZeRO-2 1.38, plain DDP
-1.65, ZeRO-3 3.17 (and TRL's server mode, 1 GPU generating + 1 training, 2.39). So:
+It takes the first candidate whose peak estimated by `colocate_rl.memory.estimate` (over all four memory phases,
+at the recipe's vLLM share) is at most the GPU's memory less LAYOUT_HEADROOM and, when this machine's RAM is known,
+whose offloaded state fits in the RAM less LAYOUT_HEADROOM. Without a GPU there is no limit: the first candidate.
+On a GPU with no estimate possible (unknown layout, transformers backend): the first ZeRO-3 candidate (with
+checkpointing when that is auto). When none fits: the last, most frugal, candidate; `mem-probe --estimate` says
+what else to change, and the measured `mem-probe` checks the choice with `confirm_choice`.
 
-1. ZeRO-2 — faster than DDP on that run, and unlike plain DDP with bf16 weights it keeps fp32 master weights,
-   so lr 1e-6 updates are not lost to bf16 rounding. ZeRO-1 has ZeRO-2's speed profile with more memory
-   (unsharded gradients), so it is not a candidate.
-2. ZeRO-3.
-3. ZeRO-3 + optimizer offload.
-4. ZeRO-3 + optimizer and parameter offload.
-
-Plain DDP and ZeRO-1 stay available by explicit setting (`distributed.deepspeed: null` / `zero_stage: 1`). With
-`trainer.gradient_checkpointing: auto` each stage is tried without checkpointing, then with it, before the next
-stage: checkpointing costs about a third more train compute, ZeRO-3 far more. Explicit settings win:
-`offload_optimizer` / `offload_params` set in the recipe (or offload present in the DeepSpeed JSON it names) are
-applied to every candidate (candidates that become invalid, such as parameter offload below ZeRO-3, or
-duplicates, drop out); an explicit `zero_stage` leaves only gradient checkpointing to choose.
-
-What is compared: the estimated peak over all four phases (generation, weight sync, training, optimizer step) at
-the recipe's `generation.vllm_gpu_memory_utilization`. With sleep mode on, vLLM's memory is freed while the trainer
-trains and steps, so the training phases hold the trainer's state, activations, logits and step buffers beside the
-sleep residue; but the trainer's resident state (weights, gradients, optimizer states unless offloaded) stays on the
-GPU while vLLM is awake, so generation and the weight sync count too: a layout whose state does not leave room for
-vLLM's share fails at vLLM's start, not in backward. With sleep mode off, every phase holds vLLM's whole share.
-
-Margin: 10 % of the GPU must stay free above the estimated peak. The estimate is arithmetic: within 6 % of the
-measured peak for DDP and 16–33 % low for ZeRO-3 on the H200 reference runs (README, tests/test_estimate.py), and
-the allocator's fragmentation and NCCL buffers come on top; 10 % keeps a layout that is borderline by the
-estimate from being chosen over the next, slower, safe one. When the measured mode of `mem-probe` runs, it can
-check the choice with `confirm_choice`.
-
-Offloaded state must also fit in host memory: when this machine's RAM is known (not for `--gpus N` planning), a
-candidate whose offload needs more than 90 % of it per node (`mem-probe --estimate`'s host figure) does not fit.
-
-Without a GPU (CPU runs, planning without `--gpus`) there is no memory limit to compare with: the first candidate
-is taken and the reason says so. On a GPU where no estimate is possible (a model whose layout is unknown, the
-transformers backend) the first ZeRO-3 candidate (with checkpointing when that is auto) is taken, as the safe
-choice. When no candidate fits, the last one (the most frugal) is taken, and `mem-probe --estimate` explains
-what else to change.
+Measurements behind the order and the headroom: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -50,13 +22,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from colocate_rl.errors import UserError
-from colocate_rl.plan.deepspeed import build_deepspeed_config, load_base_config, zero_settings
+from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deepspeed_config, load_base_config
 
-MARGIN = 0.10  # of the GPU's memory, kept free above a candidate's estimated peak
-AUTO_BASE_CONFIG = "zero3"  # the shipped DeepSpeed JSON auto starts from when distributed.deepspeed is null
+if TYPE_CHECKING:
+    from colocate_rl.plan.resolve import Resolved
+
+LAYOUT_HEADROOM = 0.10  # of the GPU's memory (and of host RAM), kept free above a candidate's estimated peak
 # (stage, offload optimizer, offload params), fastest first: see the module docstring
 STAGES = ((2, False, False), (3, False, False), (3, True, False), (3, True, True))
 
@@ -70,6 +44,11 @@ class Candidate:
     offload_params: bool
     gradient_checkpointing: bool
     deepspeed: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, config: dict[str, Any] | None, gradient_checkpointing: bool) -> Candidate:
+        zero = ZeroLayout.of(config)
+        return cls(zero.stage, zero.offload_optimizer, zero.offload_params, gradient_checkpointing, config)
 
     @property
     def label(self) -> str:
@@ -142,20 +121,19 @@ class LayoutChoice:
         out.append(f"chosen: {self.chosen.label} — {self.reason}")
         return out
 
-    def pinned_sets(self, deepspeed: str | None) -> list[str]:
-        """`--set` overrides that fix the chosen layout (for keys that were auto), so a run at another vLLM share
-        trains with this layout rather than auto's choice for that share. `deepspeed`: the recipe's
-        `distributed.deepspeed` (None: auto's base config is named)."""
-        c, out = self.chosen, []
+    def pinned_overrides(self, deepspeed: str | None) -> dict[str, Any]:
+        """Overrides that fix the chosen layout (for keys that were auto), so a run at another vLLM share trains with
+        this layout rather than auto's choice for that share. `deepspeed`: the recipe's `distributed.deepspeed`
+        (None: auto's base config is named)."""
+        c, out = self.chosen, {}
         if "distributed.zero_stage" in self.auto_keys and c.stage is not None:
-            out += [] if deepspeed else [f"distributed.deepspeed={AUTO_BASE_CONFIG}"]
-            out += [
-                f"distributed.zero_stage={c.stage}",
-                f"distributed.offload_optimizer={str(c.offload_optimizer).lower()}",
-                f"distributed.offload_params={str(c.offload_params).lower()}",
-            ]
+            if not deepspeed:
+                out["distributed.deepspeed"] = AUTO_BASE_CONFIG
+            out["distributed.zero_stage"] = c.stage
+            out["distributed.offload_optimizer"] = c.offload_optimizer
+            out["distributed.offload_params"] = c.offload_params
         if "trainer.gradient_checkpointing" in self.auto_keys:
-            out.append(f"trainer.gradient_checkpointing={str(c.gradient_checkpointing).lower()}")
+            out["trainer.gradient_checkpointing"] = c.gradient_checkpointing
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -189,16 +167,13 @@ def _cand_json(c: Candidate) -> dict[str, Any]:
     }
 
 
-def _zero(config: dict[str, Any] | None) -> tuple[int | None, bool, bool]:
-    return zero_settings(config)[1:]
-
-
 def host_fits(host_gib: float, ram_gib: float | None) -> bool:
-    """Whether offloaded state of host_gib per node fits this machine's RAM less MARGIN (True when RAM is unknown)."""
-    return ram_gib is None or host_gib <= ram_gib * (1 - MARGIN)
+    """Whether offloaded state of host_gib per node fits this machine's RAM less LAYOUT_HEADROOM (True when the
+    RAM is unknown)."""
+    return ram_gib is None or host_gib <= ram_gib * (1 - LAYOUT_HEADROOM)
 
 
-def candidates(resolved, valid: Callable[[dict[str, Any]], bool] | None = None) -> list[Candidate]:
+def candidates(resolved: Resolved, valid: Callable[[dict[str, Any]], bool] | None = None) -> list[Candidate]:
     """The layouts auto may choose for `resolved` (a Resolved whose `deepspeed` is the recipe's explicit build),
     fastest first, each with its DeepSpeed JSON; explicit recipe settings applied, invalid ones (DeepSpeed's rules,
     and `valid(config)` false: e.g. the engine's trainer offload needs its optimizer states on the GPU) and
@@ -208,7 +183,8 @@ def candidates(resolved, valid: Callable[[dict[str, Any]], bool] | None = None) 
     configs: list[dict[str, Any] | None] = []
     if dist.zero_stage == "auto":
         spec = dist.deepspeed or AUTO_BASE_CONFIG
-        _, base_opt, base_par = _zero(load_base_config(spec))
+        base = ZeroLayout.of(load_base_config(spec))
+        base_opt, base_par = base.offload_optimizer, base.offload_params
         forced_opt = dist.offload_optimizer if dist.offload_optimizer is not None else (True if base_opt else None)
         forced_par = dist.offload_params if dist.offload_params is not None else (True if base_par else None)
         for stage, opt, par in STAGES:
@@ -232,22 +208,22 @@ def candidates(resolved, valid: Callable[[dict[str, Any]], bool] | None = None) 
     out: list[Candidate] = []
     for config in configs:
         for g in gcs:
-            c = Candidate(*_zero(config), gradient_checkpointing=g, deepspeed=config)
+            c = Candidate.of(config, g)
             if c not in out:
                 out.append(c)
     return out
 
 
 def choose_layout(
-    resolved,
+    resolved: Resolved,
     gpu_gib: float | None,
     prompt_tokens: int | None = None,
     valid: Callable[[dict[str, Any]], bool] | None = None,
     ram_gib: float | None = None,
 ) -> LayoutChoice:
     """The first of `candidates(resolved)` whose estimated peak (over all phases, at the recipe's vLLM share) is at
-    most `gpu_gib × (1 − MARGIN)` and, when `ram_gib` (this machine's memory) is known, whose offloaded state fits in
-    `ram_gib × (1 − MARGIN)`. `gpu_gib` None (no GPU): the first candidate, nothing estimated."""
+    most `gpu_gib × (1 − LAYOUT_HEADROOM)` and, when `ram_gib` (this machine's memory) is known, whose offloaded state fits in
+    `ram_gib × (1 − LAYOUT_HEADROOM)`. `gpu_gib` None (no GPU): the first candidate, nothing estimated."""
     from colocate_rl.memory.estimate import estimate
 
     dist, trainer = resolved.recipe.distributed, resolved.recipe.trainer
@@ -262,16 +238,14 @@ def choose_layout(
     cands = candidates(resolved, valid)
     if not cands:  # every auto candidate was invalid with the explicit settings: keep the explicit build
         config = resolved.deepspeed
-        cands = [
-            Candidate(*_zero(config), gradient_checkpointing=trainer.gradient_checkpointing is True, deepspeed=config)
-        ]
+        cands = [Candidate.of(config, trainer.gradient_checkpointing is True)]
 
     def done(chosen, tried, reason):
         return LayoutChoice(
             chosen,
             tuple(tried),
             gpu_gib,
-            MARGIN,
+            LAYOUT_HEADROOM,
             reason,
             auto_keys,
         )
@@ -282,7 +256,7 @@ def choose_layout(
             [Tried(c) for c in cands],
             "no GPU here, so no memory limit was assumed: the fastest candidate (--gpus N plans for GPUs)",
         )
-    limit = gpu_gib * (1 - MARGIN)
+    limit = gpu_gib * (1 - LAYOUT_HEADROOM)
     tried: list[Tried] = []
     for c in cands:
         view = dataclasses.replace(resolved, deepspeed=c.deepspeed, gradient_checkpointing=c.gradient_checkpointing)
@@ -303,7 +277,7 @@ def choose_layout(
     if first is not None:
         return done(first.candidate, tried, f"the first that fits ({first.peak_gib:.2f} ≤ {limit:.1f} GiB)")
     host = (
-        f" (and its offload in {ram_gib * (1 - MARGIN):.1f} GiB of host memory)"
+        f" (and its offload in {ram_gib * (1 - LAYOUT_HEADROOM):.1f} GiB of host memory)"
         if any(not t.host_fits for t in tried)
         else ""
     )

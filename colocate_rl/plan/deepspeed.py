@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +27,30 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def zero_settings(config: dict[str, Any] | None) -> tuple[dict[str, Any], int | None, bool, bool]:
-    """A DeepSpeed config's ZeRO section, its stage (None without DeepSpeed), and whether optimizer states / params
-    are offloaded."""
-    zero = (config or {}).get("zero_optimization", {})
+AUTO_BASE_CONFIG = (
+    "zero3"  # the shipped DeepSpeed JSON `zero_stage: auto` starts from when distributed.deepspeed is null
+)
 
-    def off(key):
-        return (zero.get(key) or {}).get("device", "none") not in ("none", None)
 
-    return zero, (zero.get("stage", 0) if config else None), off("offload_optimizer"), off("offload_param")
+@dataclass(frozen=True)
+class ZeroLayout:
+    """The one reader of a DeepSpeed config's ZeRO settings. An `offload_*` block counts as offloaded when its
+    `device` is set and not "none"; DeepSpeed's own default for a block without `device` is "none"."""
+
+    stage: int | None  # None: no DeepSpeed config (DDP or one process)
+    offload_optimizer: bool
+    offload_params: bool
+    section: dict[str, Any]  # the `zero_optimization` mapping ({} without one)
+
+    @classmethod
+    def of(cls, config: dict[str, Any] | None) -> ZeroLayout:
+        zero = (config or {}).get("zero_optimization") or {}
+
+        def offloaded(key: str) -> bool:
+            return (zero.get(key) or {}).get("device", "none") not in ("none", None)
+
+        stage = zero.get("stage", 0) if config is not None else None
+        return cls(stage, offloaded("offload_optimizer"), offloaded("offload_param"), zero)
 
 
 def load_base_config(spec: str) -> dict[str, Any]:
@@ -80,10 +96,10 @@ def build_deepspeed_config(
     config = deep_merge(config, overrides or {})
 
     problems = []
-    stage = config.get("zero_optimization", {}).get("stage", 0)
-    if "offload_param" in config.get("zero_optimization", {}) and stage != 3:
+    zero = ZeroLayout.of(config)
+    if zero.offload_params and zero.stage != 3:
         problems.append(
-            f"distributed.offload_params: parameter offload needs ZeRO stage 3 (stage is {stage}); "
+            f"distributed.offload_params: parameter offload needs ZeRO stage 3 (stage is {zero.stage}); "
             "set distributed.zero_stage: 3 or offload_params: false"
         )
     for name in ("bf16", "fp16"):

@@ -109,3 +109,16 @@ def assumed_host(gpus: int, memory_gib: float = 80.0, cpu_count: int = 32) -> Ho
         cpu_count=cpu_count,
         assumed=True,
     )
+
+
+def planning_host(gpus: int | None = None, gpu_memory_gib: float | None = None, detect=detect_host) -> Host:
+    """The host to plan for: `gpus` assumed GPUs of `gpu_memory_gib` (80 by default) — e.g. a login node planning a
+    job — or the detected one, its GPUs' memory replaced by `gpu_memory_gib` when given."""
+    if gpus is not None:
+        return assumed_host(gpus, gpu_memory_gib or 80.0)
+    host = detect()
+    if gpu_memory_gib and host.gpus:
+        from dataclasses import replace
+
+        host = replace(host, gpus=tuple(replace(g, memory_gib=gpu_memory_gib) for g in host.gpus))
+    return host

@@ -12,16 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from colocate_rl import rundir
+from colocate_rl.plan.engine_options import EngineOptions
+from colocate_rl.plan.identity import NODE_RANK_ENV, RECIPE_HASH_ENV, identity_hash, recipe_identity
+from colocate_rl.plan.launch_spec import LaunchSpec
 from colocate_rl.plan.resolve import Resolved
-from colocate_rl.plan.sources import (
-    IDENTITY_FILE,
-    NODE_RANK_ENV,
-    NODES_DIR,
-    RECIPE_HASH_ENV,
-    identity_hash,
-    recipe_identity,
-)
-from colocate_rl.recipe.schema import dump_recipe, parse_size
+from colocate_rl.plan.trl_args import trl_args
+from colocate_rl.recipe.load import dump_recipe
 
 WORKER_MODULE = "colocate_rl.worker"  # the entry point every launch.sh names: keep it stable
 
@@ -46,70 +43,20 @@ class LaunchPlan:
 
 def model_path(resolved: Resolved, run_dir: Path) -> str:
     """Where ranks load the model from: the run dir's built model, or the recipe's name/path."""
-    return str(run_dir / "model") if resolved.builtin_layout else resolved.recipe.model.name
+    return str(run_dir / rundir.MODEL_LINK) if resolved.builtin_layout else resolved.recipe.model.name
 
 
-def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
-    """Keyword arguments of TRL's GRPOConfig/RLOOConfig for this run (extra_args included)."""
-    recipe, trainer, gen = resolved.recipe, resolved.recipe.trainer, resolved.recipe.generation
-    args: dict[str, Any] = {
-        "output_dir": str(run_dir / "checkpoints"),
-        "learning_rate": trainer.learning_rate,
-        "per_device_train_batch_size": trainer.per_device_train_batch_size,
-        "gradient_accumulation_steps": trainer.gradient_accumulation_steps,
-        "num_generations": trainer.num_generations,
-        "max_completion_length": trainer.max_completion_length,
-        "max_steps": trainer.max_steps,
-        "beta": trainer.beta,
-        "temperature": trainer.temperature,
-        "seed": trainer.seed,
-        "data_seed": trainer.seed,
-        "gradient_checkpointing": resolved.gradient_checkpointing,
-        "logging_steps": trainer.logging_steps,
-        "save_strategy": "steps" if trainer.save_steps else "no",
-        "report_to": list(recipe.output.report_to) or "none",
-        "disable_tqdm": True,
-        "bf16": resolved.precision == "bf16",
-        "fp16": resolved.precision == "fp16",
-        "use_cpu": resolved.device == "cpu",
-        "model_init_kwargs": {"dtype": resolved.model_dtype},
-        "reward_weights": [r.weight for r in recipe.rewards],
-        "use_vllm": resolved.backend == "vllm",
-    }
-    if trainer.save_steps:
-        args["save_steps"] = trainer.save_steps
-    if resolved.deepspeed is not None:
-        args["deepspeed"] = str(run_dir / "deepspeed.json")
-    if resolved.backend == "vllm":
-        args.update(
-            vllm_mode="colocate",
-            vllm_gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
-            vllm_tensor_parallel_size=gen.tensor_parallel_size,
-            vllm_enable_sleep_mode=gen.sleep_level > 0,
-        )
-        if gen.max_model_length is not None:
-            args["vllm_max_model_length"] = gen.max_model_length
-    args.update(trainer.extra_args)
-    return args
-
-
-def engine_options(resolved: Resolved) -> dict[str, Any] | None:
-    """Options of colocate-rl's vLLM engine (`colocate_rl.rank.vllm_engine`) for this run; None when TRL's engine or no
-    vLLM generates."""
+def engine_options(resolved: Resolved) -> EngineOptions | None:
+    """Options of colocate-rl's vLLM engine for this run; None when TRL's engine or no vLLM generates."""
     gen = resolved.recipe.generation
     if resolved.backend != "vllm" or gen.engine != "colocate-rl":
         return None
-    return {
-        "sleep_level": gen.sleep_level,
-        "kv_cache_memory_bytes": parse_size(gen.kv_cache_memory) if gen.kv_cache_memory is not None else None,
-        "enforce_eager": gen.enforce_eager,
-        "max_num_seqs": gen.max_num_seqs,
-        "max_num_batched_tokens": gen.max_num_batched_tokens,
-        "enable_prefix_caching": gen.enable_prefix_caching,
-        "bucket_bytes": gen.weight_sync_bucket_mb * 2**20,
-        "offload_trainer": gen.offload_trainer_during_generation,
-        "check_weights": gen.check_weights,
-    }
+    return EngineOptions.from_generation(gen)
+
+
+def cache_dir(env: Mapping[str, str]) -> Path:
+    """Where built-in models and compiled extensions are cached: $XDG_CACHE_HOME/colocate-rl (~/.cache by default)."""
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "colocate-rl"
 
 
 def rank_env(resolved: Resolved, base_env: Mapping[str, str], cache_dir: Path) -> dict[str, str]:
@@ -157,7 +104,7 @@ def torchrun_argv(resolved: Resolved, run_dir: Path, python: str) -> list[str]:
             dist.rdzv_id,
         ]
     if dist.nnodes > 1:  # per-rank logs of this node (its train.log gets the same lines, prefixed [defaultN]:)
-        argv += ["--log-dir", str(run_dir / NODES_DIR / str(dist.node_rank) / "ranks"), "--tee", "3"]
+        argv += ["--log-dir", str(run_dir / rundir.node_dir_name(dist.node_rank) / rundir.RANK_LOGS), "--tee", "3"]
     return argv + ["-m", WORKER_MODULE, str(run_dir)]
 
 
@@ -191,20 +138,20 @@ def make_plan(
     identity = recipe_identity(resolved)
     recipe_hash = identity_hash(identity)
     multi_node = recipe.distributed.nnodes > 1
-    node_dir = f"{NODES_DIR}/{recipe.distributed.node_rank}" if multi_node else None
+    node_dir = rundir.node_dir_name(recipe.distributed.node_rank) if multi_node else None
     if multi_node:  # set even if the caller's environment has them: they describe this launch
         env[RECIPE_HASH_ENV] = recipe_hash
         env[NODE_RANK_ENV] = str(recipe.distributed.node_rank)
-    launch = {
-        "model_path": model_path(resolved, run_dir),
-        "algorithm": recipe.algorithm,
-        "backend": resolved.backend,
-        "device": resolved.device,
-        "world_size": resolved.world_size,
-        "trl_args": trl_args(resolved, run_dir),
-        "engine": engine_options(resolved),
-        "recipe_hash": recipe_hash,
-    }
+    spec = LaunchSpec(
+        model_path=model_path(resolved, run_dir),
+        algorithm=recipe.algorithm,
+        backend=resolved.backend,
+        device=resolved.device,
+        world_size=resolved.world_size,
+        trl_args=trl_args(resolved, run_dir),
+        engine=engine_options(resolved),
+        recipe_hash=recipe_hash,
+    )
     if multi_node:
         # Shared by all nodes (each writes the same bytes, the first one wins): no node rank in it.
         shared_recipe = (
@@ -212,22 +159,22 @@ def make_plan(
             + dump_recipe(recipe, exclude={"distributed": {"node_rank"}})
         )
         files = {
-            "recipe.yaml": shared_recipe,
-            "launch.json": json.dumps(launch, indent=2) + "\n",
-            f"{node_dir}/launch.sh": launch_script(argv, env, cwd),
-            f"{node_dir}/{IDENTITY_FILE}": json.dumps(
+            rundir.RECIPE: shared_recipe,
+            rundir.LAUNCH_SPEC: spec.to_json(),
+            f"{node_dir}/{rundir.LAUNCH_SCRIPT}": launch_script(argv, env, cwd),
+            f"{node_dir}/{rundir.IDENTITY}": json.dumps(
                 {"node_rank": recipe.distributed.node_rank, "recipe_hash": recipe_hash, "identity": identity}, indent=2
             )
             + "\n",
         }
     else:
         files = {
-            "recipe.yaml": dump_recipe(recipe),
-            "launch.json": json.dumps(launch, indent=2) + "\n",
-            "launch.sh": launch_script(argv, env, cwd),
+            rundir.RECIPE: dump_recipe(recipe),
+            rundir.LAUNCH_SPEC: spec.to_json(),
+            rundir.LAUNCH_SCRIPT: launch_script(argv, env, cwd),
         }
     if resolved.deepspeed is not None:
-        files["deepspeed.json"] = json.dumps(resolved.deepspeed, indent=2) + "\n"
+        files[rundir.DEEPSPEED] = json.dumps(resolved.deepspeed, indent=2) + "\n"
     builtin = None
     if resolved.builtin_layout:
         # Built once per machine into the cache (a 7B layout takes minutes); the run dir's model/ links to it.
@@ -237,7 +184,7 @@ def make_plan(
             "out_dir": str(cache_dir / "builtin-models" / key),
             "seed": recipe.trainer.seed,
             "dtype": resolved.model_dtype,
-            "link": str(run_dir / "model"),
+            "link": str(run_dir / rundir.MODEL_LINK),
         }
     return LaunchPlan(
         run_dir=run_dir,

@@ -1,6 +1,6 @@
 """Cross-field validation: the recipe against the host it will run on.
 
-`resolve` decides everything that depends on the machine (ranks per node, generation backend, device,
+`bind_to_host` decides everything that depends on the machine (ranks per node, generation backend, device,
 precision, the DeepSpeed JSON) and checks what needs the planned world size. It reads the files the
 recipe names (DeepSpeed JSON, data file, reward modules) but writes nothing. All problems are raised
 together in one UserError.
@@ -8,38 +8,21 @@ together in one UserError.
 
 from __future__ import annotations
 
-import difflib
-import json
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from colocate_rl.errors import UserError
+from colocate_rl.errors import UserError, did_you_mean
+from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deepspeed_config
+from colocate_rl.plan.engine_options import ENGINE_ONLY_KEYS
 from colocate_rl.plan.host import Host
+from colocate_rl.plan.trl_args import MANAGED_TRL_FIELDS, trl_field_names
 from colocate_rl.recipe.schema import Recipe
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+if TYPE_CHECKING:
+    from colocate_rl.memory.autolayout import LayoutChoice
 
-# TRL config fields that colocate-rl sets itself, and the recipe key that controls each.
-MANAGED_TRL_FIELDS = {
-    "output_dir": "output.run_dir",
-    "logging_dir": "output.run_dir",
-    "report_to": "output.report_to",
-    "deepspeed": "distributed.deepspeed",
-    "bf16": "distributed.mixed_precision",
-    "fp16": "distributed.mixed_precision",
-    "use_cpu": "distributed.nproc_per_node (the device follows the host)",
-    "use_vllm": "generation.backend",
-    "vllm_mode": "generation.backend",
-    "vllm_gpu_memory_utilization": "generation.vllm_gpu_memory_utilization",
-    "vllm_tensor_parallel_size": "generation.tensor_parallel_size",
-    "vllm_enable_sleep_mode": "generation.sleep_level",
-    "vllm_max_model_length": "generation.max_model_length",
-    "reward_weights": "rewards[*].weight",
-    "model_init_kwargs": "model.dtype",
-    "save_strategy": "trainer.save_steps",
-}
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 @dataclass(frozen=True)
@@ -56,19 +39,11 @@ class Resolved:
     deepspeed: dict[str, Any] | None
     builtin_layout: str | None  # set when model.name is builtin:<layout>
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing as resolved (auto → chosen)
-    layout_choice: Any = (
-        None  # colocate_rl.memory.autolayout.LayoutChoice when zero_stage or gradient_checkpointing is auto
-    )
+    layout_choice: LayoutChoice | None = None  # what auto chose, when zero_stage or gradient_checkpointing is auto
 
     @property
     def world_size(self) -> int:
         return self.recipe.distributed.nnodes * self.nproc_per_node
-
-
-def trl_field_names(algorithm: str) -> set[str]:
-    """Field names of TRL's GRPOConfig / RLOOConfig for the pinned TRL (checked against TRL by a test)."""
-    data = json.loads(resources.files("colocate_rl.recipe").joinpath("trl_fields.json").read_text())
-    return set(data[algorithm])
 
 
 def _check_extra_args(recipe: Recipe) -> list[str]:
@@ -83,8 +58,7 @@ def _check_extra_args(recipe: Recipe) -> list[str]:
         elif key in MANAGED_TRL_FIELDS:
             problems.append(f"{path}: colocate-rl sets this itself; use {MANAGED_TRL_FIELDS[key]}")
         elif key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"see TRL's {config_name} for valid names"
+            hint = did_you_mean(key, known) or f"see TRL's {config_name} for valid names"
             problems.append(f"{path}: not a field of TRL {config_name}; {hint}")
     return problems
 
@@ -140,19 +114,7 @@ def _check_rewards(recipe: Recipe) -> list[str]:
     return problems
 
 
-ENGINE_ONLY = (
-    "kv_cache_memory",
-    "enforce_eager",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "enable_prefix_caching",
-    "weight_sync_bucket_mb",
-    "offload_trainer_during_generation",
-    "check_weights",
-)
-
-
-def _check_engine(recipe: Recipe, deepspeed: dict[str, Any] | None) -> list[str]:
+def check_engine(recipe: Recipe, deepspeed: dict[str, Any] | None) -> list[str]:
     """Settings of colocate-rl's vLLM engine that the chosen engine or trainer layout cannot honour."""
     gen, problems = recipe.generation, []
     if gen.engine == "trl":
@@ -162,26 +124,25 @@ def _check_engine(recipe: Recipe, deepspeed: dict[str, Any] | None) -> list[str]
                 "level 2 only); use 0 or 2, or generation.engine: colocate-rl"
             )
         defaults = type(gen).model_fields
-        for key in ENGINE_ONLY:
+        for key in ENGINE_ONLY_KEYS:
             if getattr(gen, key) != defaults[key].default:
                 problems.append(
                     f"generation.{key}: only applies to generation.engine: colocate-rl (TRL's engine has "
                     "fixed settings); remove it or set generation.engine: colocate-rl"
                 )
     if gen.offload_trainer_during_generation:
-        zero = (deepspeed or {}).get("zero_optimization", {})
-        stage = zero.get("stage", 0)
-        if deepspeed is None or stage == 0:
+        zero = ZeroLayout.of(deepspeed)
+        if deepspeed is None or zero.stage == 0:
             problems.append(
                 "generation.offload_trainer_during_generation: needs DeepSpeed ZeRO stage 1-3 (DeepSpeed's "
                 "offload_states); set distributed.deepspeed: zero3 (and distributed.zero_stage) or turn it off"
             )
-        elif "offload_optimizer" in zero and zero["offload_optimizer"].get("device", "cpu") != "none":
+        elif zero.offload_optimizer:
             problems.append(
                 "generation.offload_trainer_during_generation: the optimizer states already live on CPU "
                 "(distributed.offload_optimizer); turn one of them off"
             )
-        elif stage == 3 and "optimizer" not in deepspeed:
+        elif zero.stage == 3 and "optimizer" not in deepspeed:
             problems.append(
                 "generation.offload_trainer_during_generation: under ZeRO-3 DeepSpeed 0.19 offloads only its "
                 "own FusedAdam's states; add an optimizer block (distributed.deepspeed_overrides: "
@@ -191,8 +152,10 @@ def _check_engine(recipe: Recipe, deepspeed: dict[str, Any] | None) -> list[str]
     return problems
 
 
-def resolve(recipe: Recipe, host: Host) -> Resolved:
-    """Bind `recipe` to `host`; raise one UserError listing every cross-field problem."""
+def bind_to_host(recipe: Recipe, host: Host) -> Resolved:
+    """Bind `recipe` to `host`; raise one UserError listing every cross-field problem. `zero_stage` and
+    `gradient_checkpointing` auto are left to `colocate_rl.pipeline.resolve` (the DeepSpeed JSON is built at ZeRO-3,
+    where every setting applies, and the engine checks wait for the layout chosen)."""
     problems: list[str] = []
     dist, gen, trainer = recipe.distributed, recipe.generation, recipe.trainer
     has_gpu = host.gpu_count > 0
@@ -276,10 +239,7 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
         if dist.deepspeed_overrides:
             problems.append("distributed.deepspeed_overrides: needs a DeepSpeed config; set distributed.deepspeed")
     else:
-        from colocate_rl.memory.autolayout import AUTO_BASE_CONFIG
-        from colocate_rl.plan.deepspeed import build_deepspeed_config
-
-        try:  # auto: checked at stage 3, where every setting applies; colocate_rl.memory.autolayout picks the stage below
+        try:  # auto: checked at stage 3, where every setting applies; the auto layout picks the stage later
             deepspeed = build_deepspeed_config(
                 dist.deepspeed or AUTO_BASE_CONFIG,
                 precision=precision,
@@ -294,7 +254,7 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
     layout, model_problems = _check_model(recipe)
     problems += model_problems + _check_data(recipe) + _check_rewards(recipe) + _check_extra_args(recipe)
     # zero_stage auto: the engine's layout constraints filter the candidates instead (checked on the choice below)
-    problems += [] if auto_stage else _check_engine(recipe, deepspeed)
+    problems += [] if auto_stage else check_engine(recipe, deepspeed)
     if problems:
         raise UserError(*problems)
     resolved = Resolved(
@@ -309,24 +269,4 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
         builtin_layout=layout,
         gradient_checkpointing=trainer.gradient_checkpointing is True,
     )
-    if auto_stage or trainer.gradient_checkpointing == "auto":
-        from dataclasses import replace
-
-        from colocate_rl.memory.autolayout import choose_layout
-
-        choice = choose_layout(
-            resolved,
-            min(g.memory_gib for g in host.gpus) if has_gpu else None,
-            valid=lambda config: not _check_engine(recipe, config),
-            ram_gib=host.ram_gib,
-        )
-        engine_problems = _check_engine(recipe, choice.deepspeed) if auto_stage else []
-        if engine_problems:
-            raise UserError(*engine_problems)
-        resolved = replace(
-            resolved,
-            deepspeed=choice.deepspeed,
-            gradient_checkpointing=choice.gradient_checkpointing,
-            layout_choice=choice,
-        )
     return resolved

@@ -22,21 +22,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from colocate_rl.rundir import RunDir
+
 GIB = 2**30
-PHASES = (
-    "generate",
-    "weight_sync",
-    "weight_check",
-    "wake",
-    "sleep",
-    "offload",
-    "reload",
-    "reward",
-    "prepare",
-    "train",
-    "optimizer",
-)
-TIMELINE_DIR = "timeline"
 
 
 def _nvml_handle(device_index: int):
@@ -167,8 +155,9 @@ class Telemetry:
         self.cuda = torch.cuda.is_available()
         self.handle = _nvml_handle(torch.cuda.current_device()) if self.cuda else None
         rank = trainer.accelerator.process_index
-        (self.run_dir / TIMELINE_DIR).mkdir(exist_ok=True)
-        self._file = (self.run_dir / TIMELINE_DIR / f"rank{rank}.jsonl").open("w")
+        path = RunDir(self.run_dir).timeline(rank)
+        path.parent.mkdir(exist_ok=True)
+        self._file = path.open("w")
         device = f"cuda:{torch.cuda.current_device()}" if self.cuda else "cpu"
         self._file.write(json.dumps({"rank": rank, "device": device, "unit": "GiB", "t0": self.t0}) + "\n")
         for attr, name in (

@@ -27,24 +27,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 
 from colocate_rl.errors import StaleWeightsError
+from colocate_rl.plan.engine_options import EngineOptions
+from colocate_rl.telemetry import events
 
-DEFAULT_OPTIONS: dict[str, Any] = {
-    "sleep_level": 2,
-    "kv_cache_memory_bytes": None,
-    "enforce_eager": False,
-    "max_num_seqs": None,
-    "max_num_batched_tokens": 4096,
-    "enable_prefix_caching": True,
-    "bucket_bytes": 1024 * 2**20,
-    "offload_trainer": False,
-    "check_weights": True,
-}
 # The trainer states moved out of the GPU during generation. Not the bf16 parameters: ZeRO-3 needs them for the
 # push and the trainer for the log-probabilities right after generation, and vLLM has its own copy.
 OFFLOADED_STATES = ("optim_states", "hp_params", "lp_grads", "contiguous_grad_buffer")
@@ -111,19 +103,24 @@ class ColocatedEngine(VLLMGeneration):
     """TRL's colocated generation backend with colocate-rl's engine options, sleep levels, bucketed weight push,
     trainer offload and weight check. Server mode falls through to TRL unchanged."""
 
-    options: dict[str, Any] = DEFAULT_OPTIONS
+    options: EngineOptions  # set by install()
+    run_dir: Path | None = None  # where start-up memory is reported (events.jsonl); set by install()
 
     def __init__(self, *args: Any, **kwargs: Any):
-        self.sleep_level = int(self.options["sleep_level"])
+        self._reset_cycle_state()
+        if self.options.max_num_seqs:
+            kwargs["max_num_seqs"] = self.options.max_num_seqs
+        # TRL's own wake/sleep calls stay off: this class sleeps and wakes the engine itself.
+        kwargs["enable_sleep_mode"] = False
+        super().__init__(*args, **kwargs)
+
+    def _reset_cycle_state(self) -> None:
+        """The cycle's own state before vLLM starts: awake, weights valid, nothing offloaded or checked."""
+        self.sleep_level = int(self.options.sleep_level)
         self._asleep: set[str] = set()  # vLLM memory tags currently released
         self._weights_valid = True  # vLLM's weights equal the trainer's last push (or the checkpoint, at start)
         self._offloaded = False
         self.last_check: list[str] = []  # parameters compared after the last push
-        if self.options["max_num_seqs"]:
-            kwargs["max_num_seqs"] = self.options["max_num_seqs"]
-        # TRL's own wake/sleep calls stay off: this class sleeps and wakes the engine itself.
-        kwargs["enable_sleep_mode"] = False
-        super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ engine start
 
@@ -140,14 +137,14 @@ class ColocatedEngine(VLLMGeneration):
             model_impl=self.model_impl,
             distributed_executor_backend="external_launcher",
             seed=accelerator.process_index // self.tensor_parallel_size,  # same sampling inside a TP group
-            max_num_batched_tokens=o["max_num_batched_tokens"],
+            max_num_batched_tokens=o.max_num_batched_tokens,
             logprobs_mode="processed_logprobs",  # the importance-sampling correction needs processed logprobs
             trust_remote_code=self.trust_remote_code,
-            enforce_eager=o["enforce_eager"],
-            enable_prefix_caching=o["enable_prefix_caching"],
+            enforce_eager=o.enforce_eager,
+            enable_prefix_caching=o.enable_prefix_caching,
         )
-        if o["kv_cache_memory_bytes"]:
-            kwargs["kv_cache_memory_bytes"] = int(o["kv_cache_memory_bytes"])
+        if o.kv_cache_memory_bytes:
+            kwargs["kv_cache_memory_bytes"] = int(o.kv_cache_memory_bytes)
         return kwargs
 
     def _init_vllm(self) -> None:
@@ -174,17 +171,25 @@ class ColocatedEngine(VLLMGeneration):
         empty_cache()  # vLLM's start-up empties torch's cache: release it first, or it counts as vLLM giving back
         free_before, _ = torch.cuda.mem_get_info()
         self.llm = LLM(**self.llm_kwargs())
-        awake = free_before - torch.cuda.mem_get_info()[0]
-        line = f"[colocate-rl engine] rank {accelerator.process_index}: vLLM awake {awake / 2**30:.3f} GiB"
+        awake = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
+        asleep = None
+        line = f"[colocate-rl engine] rank {accelerator.process_index}: vLLM awake {awake:.3f} GiB"
         if self.sleep_level:
             self._sleep()
-            asleep = free_before - torch.cuda.mem_get_info()[0]
-            line += f", asleep (level {self.sleep_level}) {asleep / 2**30:.3f} GiB"
-        print(line, flush=True)  # GPU memory this engine takes, by the driver's count (benchmarks read it)
-        print(
-            f"[colocate-rl engine] rank {accelerator.process_index}: vLLM config {json.dumps(self.built_config())}",
-            flush=True,
-        )
+            asleep = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
+            line += f", asleep (level {self.sleep_level}) {asleep:.3f} GiB"
+        config = self.built_config()
+        print(line, flush=True)  # for a person reading the log; programs read the event
+        print(f"[colocate-rl engine] rank {accelerator.process_index}: vLLM config {json.dumps(config)}", flush=True)
+        if self.run_dir is not None:
+            events.emit(
+                self.run_dir,
+                events.ENGINE_MEMORY,
+                awake_gib=round(awake, 3),
+                asleep_gib=None if asleep is None else round(asleep, 3),
+                sleep_level=self.sleep_level,
+                config=config,
+            )
         accelerator.wait_for_everyone()
 
     def built_config(self) -> dict[str, Any]:
@@ -229,10 +234,10 @@ class ColocatedEngine(VLLMGeneration):
         engine_model = self._engine_model()
         if is_peft_model(self.model) or self._dist.is_fsdp:
             # Adapters must be merged over the whole model first: TRL's iterator does that; loads stay bucketed.
-            for bucket in weight_buckets(self._iter_named_params(), self.options["bucket_bytes"]):
+            for bucket in weight_buckets(self._iter_named_params(), self.options.bucket_bytes):
                 engine_model.load_weights(bucket)
             return
-        for bucket in weight_buckets(self._named_params_for_push(), self.options["bucket_bytes"]):
+        for bucket in weight_buckets(self._named_params_for_push(), self.options.bucket_bytes):
             with self._dist.gather_params([p for _, p in bucket]):
                 engine_model.load_weights([(name, p.data) for name, p in bucket])
 
@@ -244,7 +249,7 @@ class ColocatedEngine(VLLMGeneration):
             empty_cache()  # hand the trainer's cached blocks to the driver before vLLM maps its weights again
             self._wake(["weights"])
         self._push_weights()
-        if self.options["check_weights"]:
+        if self.options.check_weights:
             self.check_weights()
         self._weights_valid = True
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
@@ -275,7 +280,7 @@ class ColocatedEngine(VLLMGeneration):
         return getattr(engine, "engine", None)
 
     def _offload_trainer(self) -> None:
-        if not self.options["offload_trainer"]:
+        if not self.options.offload_trainer:
             return
         engine = self._deepspeed_engine()
         if engine is None or engine.optimizer is None:
@@ -311,15 +316,12 @@ class ColocatedEngine(VLLMGeneration):
             self._reload_trainer()
 
 
-def install(options: dict[str, Any]) -> type[ColocatedEngine]:
+def install(options: EngineOptions, run_dir: Path | None = None) -> type[ColocatedEngine]:
     """Make TRL's GRPO and RLOO trainers construct a ColocatedEngine configured with `options`."""
     import trl.trainer.grpo_trainer as grpo
     import trl.trainer.rloo_trainer as rloo
 
-    unknown = set(options) - set(DEFAULT_OPTIONS)
-    if unknown:
-        raise ValueError(f"unknown engine options: {sorted(unknown)}")
-    engine = type("ColocatedEngine", (ColocatedEngine,), {"options": {**DEFAULT_OPTIONS, **options}})
+    engine = type("ColocatedEngine", (ColocatedEngine,), {"options": options, "run_dir": run_dir})
     grpo.VLLMGeneration = engine
     rloo.VLLMGeneration = engine
     return engine

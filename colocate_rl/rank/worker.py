@@ -1,9 +1,10 @@
 """The per-rank program: `python -m colocate_rl.worker RUN_DIR`, started by torchrun on every rank.
 
-Reads everything from the run directory (`recipe.yaml`, `launch.json`, `deepspeed.json`), builds the
-tokenizer, dataset, rewards and TRL config, trains with GRPOTrainer or RLOOTrainer, saves the final
-model and tears the process group down. Rank 0 appends one JSON object per logged step to
-`metrics.jsonl` and writes `DONE` once the final model is saved.
+Reads everything from the run directory (`recipe.yaml`, `launch.json`, `deepspeed.json`; `colocate_rl.rundir`),
+builds the tokenizer, dataset, rewards and TRL config, trains with GRPOTrainer or RLOOTrainer, saves the final
+model and tears the process group down. Rank 0 appends one JSON object per logged step to `metrics.jsonl` and
+writes `DONE` once the final model is saved. A rank that stops on a UserError (exit 2) or stale weights (exit 3)
+prints `error: ...` lines to the log and reports them in `events.jsonl`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from colocate_rl.errors import StaleWeightsError, UserError
-
-METRICS_FILE = "metrics.jsonl"
-DONE_FILE = "DONE"
+from colocate_rl.plan.launch_spec import LaunchSpec
+from colocate_rl.rundir import RunDir
+from colocate_rl.telemetry import events
 
 
 def make_metrics_callback(path: Path, telemetry):
@@ -89,13 +90,14 @@ def load_tokenizer(model_path: str, builtin: bool):
 
 def build_trainer(run_dir: Path):
     """Construct the TRL trainer for this rank from the run directory's files."""
-    from colocate_rl.plan.sources import check_same_recipe
+    from colocate_rl.rank.same_recipe import check_same_recipe
     from colocate_rl.rank.telemetry import Telemetry
-    from colocate_rl.recipe.schema import load_recipe
+    from colocate_rl.recipe.load import load_recipe
     from colocate_rl.tasks import load_prompts, resolve_reward
 
-    recipe = load_recipe(run_dir / "recipe.yaml")
-    launch = json.loads((run_dir / "launch.json").read_text())
+    paths = RunDir(run_dir)
+    recipe = load_recipe(paths.recipe)
+    launch = LaunchSpec.read(paths.launch_spec)
     data = recipe.data
     dataset = load_prompts(
         data.source,
@@ -108,9 +110,9 @@ def build_trainer(run_dir: Path):
         seed=recipe.trainer.seed,
     )
     rewards = [resolve_reward(r.name, key=f"rewards[{i}].name") for i, r in enumerate(recipe.rewards)]
-    tokenizer = load_tokenizer(launch["model_path"], recipe.model.name.startswith("builtin:"))
+    tokenizer = load_tokenizer(launch.model_path, recipe.model.name.startswith("builtin:"))
     telemetry = Telemetry(run_dir)
-    callback = make_metrics_callback(run_dir / METRICS_FILE, telemetry)
+    callback = make_metrics_callback(paths.metrics, telemetry)
 
     if recipe.algorithm == "grpo":
         from trl import GRPOConfig as Config
@@ -118,21 +120,21 @@ def build_trainer(run_dir: Path):
     else:
         from trl import RLOOConfig as Config
         from trl import RLOOTrainer as Trainer
-    if "deepspeed" in launch["trl_args"]:
+    if "deepspeed" in launch.trl_args:
         # DeepSpeed reads the world size from its own comm layer: bring it up before HF builds the config
         # (accelerate alone leaves it unset on CPU, and ZeRO-3 then sees a world of 1).
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo" if launch["device"] == "cpu" else "nccl")
-    if launch.get("engine"):  # colocate-rl's own vLLM engine instead of TRL's (colocate_rl/engine.py)
+        deepspeed.init_distributed(dist_backend="gloo" if launch.device == "cpu" else "nccl")
+    if launch.engine is not None:  # colocate-rl's own vLLM engine instead of TRL's
         from colocate_rl.rank.vllm_engine import install
 
-        install(launch["engine"])
-    config = Config(**config_args(Config, launch["trl_args"]))
+        install(launch.engine, run_dir)
+    config = Config(**config_args(Config, launch.trl_args))
     # The process group is up now (DeepSpeed or accelerate): all nodes must run the same recipe.
-    check_same_recipe(run_dir, launch)
+    check_same_recipe(run_dir, launch.recipe_hash)
     trainer = Trainer(
-        model=launch["model_path"],
+        model=launch.model_path,
         reward_funcs=rewards,
         args=config,
         train_dataset=dataset,
@@ -152,14 +154,14 @@ def run(run_dir: Path) -> None:
     recipe, trainer = build_trainer(run_dir)
     trainer.train()
     if recipe.output.save_model:
-        trainer.save_model(str(run_dir / "final"))
+        trainer.save_model(str(RunDir(run_dir).final))
         if trainer.is_world_process_zero():
-            trainer.processing_class.save_pretrained(str(run_dir / "final"))
+            trainer.processing_class.save_pretrained(str(RunDir(run_dir).final))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     if trainer.is_world_process_zero():
         done = {"global_step": trainer.state.global_step, "world_size": trainer.accelerator.num_processes}
-        (run_dir / DONE_FILE).write_text(json.dumps(done) + "\n")
+        RunDir(run_dir).done.write_text(json.dumps(done) + "\n")
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -183,14 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m colocate_rl.worker RUN_DIR (started by `colocate-rl train`)", file=sys.stderr)
         return 2
+    run_dir = Path(args[0])
     try:
-        run(Path(args[0]))
+        run(run_dir)
     except UserError as e:
+        events.emit(run_dir, events.USER_ERROR, lines=e.lines)
         for line in e.lines:  # one write per line: ranks share the pipe, lines must not interleave
             sys.stderr.write(f"error: {line}\n")
             sys.stderr.flush()
         return 2
     except StaleWeightsError as e:  # colocate_rl.rank.vllm_engine's guard: its message says it all
+        events.emit(run_dir, events.STALE_WEIGHTS, message=str(e))
         sys.stderr.write(f"error: {e}\n")
         sys.stderr.flush()
         return 3

@@ -1,17 +1,13 @@
-"""The recipe: one typed schema, YAML loading, `--set` overrides and error messages.
+"""The recipe schema: one typed pydantic model per section, `extra="forbid"` everywhere.
 
-Precedence is defaults < recipe file < `--set a.b=c`. Every problem is reported at once as one line
-`dotted.key: problem (got value); fix`. Loading raises `UserError`; it never touches the filesystem
-beyond reading the recipe.
+Loading and `--set` overrides are in `colocate_rl.recipe.load`; validation errors become one line per problem in
+`colocate_rl.recipe.messages`.
 """
 
 from __future__ import annotations
 
-import difflib
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -20,11 +16,8 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
-    ValidationError,
     field_validator,
 )
-
-from colocate_rl.errors import UserError
 
 SIZE_UNITS = {
     "": 1,
@@ -257,150 +250,3 @@ class Recipe(_Section):
     generation: GenerationSection = Field(default_factory=GenerationSection)
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     output: OutputSection = Field(default_factory=OutputSection)
-
-
-# ---------------------------------------------------------------------------------------------- loading
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    """Parse a recipe file into a mapping. Fails (UserError) on a missing file, YAML syntax or a non-mapping."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise UserError(
-            f"{path}: recipe file not found; check the path or run `colocate-rl recipes` to list shipped ones"
-        )
-    except OSError as e:
-        raise UserError(f"{path}: cannot read recipe ({e.strerror})")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise UserError(f"{where}: invalid YAML: {e.problem or e.context}; fix the syntax at that line")
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: invalid YAML: {e}")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: a recipe must be a YAML mapping of sections (model:, data:, rewards:, ...)")
-    return data
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides (value parsed as YAML) to a copy of `data`. Fails on bad syntax."""
-    import copy
-
-    result = copy.deepcopy(data)
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise UserError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set trainer.max_steps=20")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        node = result
-        parts = key.split(".")
-        for depth, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise UserError(f"--set {item!r}: '{'.'.join(parts[: depth + 1])}' is not a section")
-            node = child
-        node[parts[-1]] = value
-    return result
-
-
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic section model inside an annotation such as `X`, `list[X]` or `X | None`."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _field_path(loc: tuple) -> tuple:
-    """`loc` without pydantic's union tags (e.g. `constrained-int`): only list indices and recipe keys."""
-    model: type[BaseModel] | None = Recipe
-    path: list = []
-    for part in loc:
-        if isinstance(part, int):
-            path.append(part)
-        elif model is not None and part in model.model_fields:
-            path.append(part)
-            model = _model_of(model.model_fields[part].annotation)
-        else:
-            break
-    return tuple(path)
-
-
-def _section_keys(path: tuple) -> list[str]:
-    model: type[BaseModel] | None = Recipe
-    for part in path:
-        if isinstance(part, str) and model is not None:
-            model = _model_of(model.model_fields[part].annotation)
-    return list(model.model_fields) if model is not None else []
-
-
-def _dotted(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "recipe"
-
-
-def _format_errors(errors: list[dict]) -> list[str]:
-    grouped: dict[tuple, list[dict]] = {}
-    for err in errors:
-        loc = tuple(err["loc"])
-        if err["type"] == "extra_forbidden":
-            grouped.setdefault(loc, []).append(err)
-            continue
-        path = _field_path(loc)
-        grouped.setdefault(path, []).append(err)
-    lines = []
-    for path, errs in grouped.items():
-        first = errs[0]
-        dotted = _dotted(path)
-        if first["type"] == "extra_forbidden":
-            known = _section_keys(path[:-1])
-            close = difflib.get_close_matches(str(path[-1]), known, n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(known)}"
-            lines.append(f"{dotted}: unknown key; {hint}")
-        elif first["type"] in ("model_type", "model_attributes_type", "dict_type"):
-            lines.append(f"{dotted}: must be a section (a mapping of keys), got {first.get('input')!r}")
-        elif first["type"] == "missing":
-            lines.append(f"{dotted}: required key is missing; add it to the recipe")
-        else:
-            msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errs))
-            value = first.get("input")
-            shown = "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list) else repr(value)
-            text = " or ".join(m[0].lower() + m[1:] for m in msgs)
-            lines.append(f"{dotted}: {text} (got {shown})")
-    return lines
-
-
-def parse_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
-    """Validate a mapping against the schema; every problem becomes one line of the UserError."""
-    try:
-        return Recipe.model_validate(data)
-    except ValidationError as e:
-        raise UserError(*_format_errors(e.errors(include_url=False)))
-
-
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read, override and validate a recipe file (no cross-field checks: see `colocate_rl.plan.resolve`)."""
-    data = apply_overrides(read_yaml(Path(path)), overrides or [])
-    return parse_recipe(data, str(path))
-
-
-def dump_recipe(recipe: Recipe, exclude: dict | None = None) -> str:
-    """The fully resolved recipe (defaults included) as YAML, as written to the run directory; `exclude` is
-    pydantic's nested exclude (e.g. `{"distributed": {"node_rank"}}` for the file all nodes share)."""
-    return yaml.safe_dump(recipe.model_dump(mode="json", exclude=exclude), sort_keys=False, default_flow_style=False)

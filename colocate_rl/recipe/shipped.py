@@ -1,6 +1,6 @@
-"""Files shipped with colocate-rl: recipes and DeepSpeed configs.
+"""Files shipped with colocate-rl: recipes, DeepSpeed configs and example launch scripts.
 
-In a source checkout they live at the repository root (`recipes/`, `deepspeed_configs/`); an
+In a source checkout they live at the repository root (`recipes/`, `deepspeed_configs/`, `examples/`); an
 installed wheel carries them inside the package (`colocate_rl/_shipped/`).
 """
 
@@ -12,7 +12,7 @@ _PACKAGE = Path(__file__).resolve().parent.parent  # colocate_rl/
 
 
 def shipped_dir(kind: str) -> Path:
-    """`kind` is `recipes` or `deepspeed_configs`."""
+    """`kind` is `recipes`, `deepspeed_configs` or `examples`."""
     for candidate in (_PACKAGE / "_shipped" / kind, _PACKAGE.parent / kind):
         if candidate.is_dir():
             return candidate
@@ -29,9 +29,28 @@ def shipped_deepspeed_configs() -> dict[str, Path]:
     return {p.stem: p for p in sorted(shipped_dir("deepspeed_configs").glob("*.json"))}
 
 
+def shipped_examples() -> dict[str, Path]:
+    """Launch scripts for clusters (Slurm, several nodes by hand, one node): file name → path."""
+    return {p.name: p for p in sorted(shipped_dir("examples").glob("*")) if p.is_file()}
+
+
 def recipe_summary(path: Path) -> str:
-    """The first comment line of a recipe file (its one-line description)."""
+    """The first comment line of a shipped file (its one-line description; a script's `#!` line is skipped)."""
     for line in path.read_text().splitlines():
-        if line.startswith("#"):
+        if line.startswith("#") and not line.startswith("#!"):
             return line.lstrip("# ").strip()
     return ""
+
+
+def find_recipe(recipe: str) -> Path:
+    """A recipe argument as a path: an existing file, anything that looks like a path, or a shipped recipe's name.
+    Fails (UserError) on a name that is neither."""
+    from colocate_rl.errors import UserError
+
+    path = Path(recipe)
+    if path.exists() or path.suffix in (".yaml", ".yml") or "/" in recipe:
+        return path
+    shipped = shipped_recipes()
+    if recipe in shipped:
+        return shipped[recipe]
+    raise UserError(f"{recipe}: no such recipe file or shipped recipe; shipped: {', '.join(shipped)}")

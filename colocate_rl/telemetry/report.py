@@ -8,11 +8,9 @@ directory, a run with no logged steps, or an --out that cannot be written.
 
 from __future__ import annotations
 
-import json
-import math
 import re
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +18,10 @@ from rich.console import Console
 from rich.table import Table
 
 from colocate_rl.errors import UserError
-from colocate_rl.rank.telemetry import PHASES as TELEMETRY_PHASES
+from colocate_rl.rundir import RunDir, read_jsonl
+from colocate_rl.telemetry.timeline import TIMED_PHASES, Timeline, finite, innermost_spans, read_timelines
 
-PHASES = (*TELEMETRY_PHASES, "other")  # "other": the step's time outside every timed phase
+PHASES = (*TIMED_PHASES, "other")  # "other": the step's time outside every timed phase
 COLORS = dict(
     zip(
         PHASES,
@@ -54,82 +53,23 @@ MAX_RANKS_SHOWN = 8
 
 
 @dataclass
-class Timeline:
-    """One rank's `timeline/rank<N>.jsonl`: memory points (t, GiB), phase edges (t, phase, edge), step ends."""
-
-    rank: int
-    device: str = "?"
-    t0: float = 0.0
-    points: list[tuple[float, float]] = field(default_factory=list)
-    edges: list[tuple[float, str, str]] = field(default_factory=list)
-    step_ends: list[tuple[float, float | None]] = field(default_factory=list)
-
-
-@dataclass
 class Run:
     path: Path
     steps: list[dict[str, Any]]  # metrics.jsonl records that carry a reward
     timelines: list[Timeline]
 
 
-def _num(record: dict, key: str) -> float | None:
-    value = record.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a jsonl file; malformed lines and non-objects are skipped, never raised."""
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
-def _read_timeline(path: Path) -> Timeline | None:
-    records = read_jsonl(path)
-    head = records[0] if records and "rank" in records[0] else {}
-    match = re.fullmatch(r"rank(\d+)\.jsonl", path.name)
-    rank = _num(head, "rank")
-    timeline = Timeline(
-        rank=int(rank) if rank is not None else int(match.group(1)) if match else 0,
-        device=str(head.get("device", "?")),
-        t0=_num(head, "t0") or 0.0,
-    )
-    for r in records:
-        t, mem = _num(r, "t"), _num(r, "mem")
-        if t is None:
-            continue
-        if mem is not None:
-            timeline.points.append((t, mem))
-        if isinstance(r.get("phase"), str) and r.get("edge") in ("start", "end"):
-            timeline.edges.append((t, r["phase"], r["edge"]))
-        elif "step_end" in r:
-            timeline.step_ends.append((t, mem))
-    return timeline if timeline.points else None
-
-
 def load_run(run_dir: Path | str) -> Run:
     """Read a run directory. Fails if it has no metrics.jsonl or no logged training step."""
     path = Path(run_dir)
-    if not (path / "metrics.jsonl").is_file():
+    metrics = RunDir(path).metrics
+    if not metrics.is_file():
         what = "does not exist" if not path.exists() else "is not a run directory (no metrics.jsonl)"
         raise UserError(f"{path}: {what}; pass a directory written by `colocate-rl train`")
-    steps = [
-        r for r in read_jsonl(path / "metrics.jsonl") if _num(r, "reward") is not None and _num(r, "step") is not None
-    ]
+    steps = [r for r in read_jsonl(metrics) if finite(r, "reward") is not None and finite(r, "step") is not None]
     if not steps:
-        raise UserError(
-            f"{path / 'metrics.jsonl'}: no training step logged yet; run report again once the run has logged a step"
-        )
-    timelines = [t for p in sorted((path / "timeline").glob("rank*.jsonl")) if (t := _read_timeline(p))]
-    return Run(path, steps, sorted(timelines, key=lambda t: t.rank))
+        raise UserError(f"{metrics}: no training step logged yet; run report again once the run has logged a step")
+    return Run(path, steps, [t for t in read_timelines(path) if t.points])
 
 
 def _phases(steps: list[dict]) -> list[str]:
@@ -139,13 +79,13 @@ def _phases(steps: list[dict]) -> list[str]:
 
 def time_shares(run: Run) -> dict[str, tuple[float, float]]:
     """phase → (mean s/step, % of step time) over the steps after the first; 'step' is the total."""
-    timed = [r for r in (run.steps[1:] or run.steps) if _num(r, "time/step_s") is not None]
+    timed = [r for r in (run.steps[1:] or run.steps) if finite(r, "time/step_s") is not None]
     if not timed:
         return {}
     step = sum(r["time/step_s"] for r in timed) / len(timed)
     shares = {}
     for phase in _phases(timed):
-        mean = sum(_num(r, f"time/{phase}_s") or 0.0 for r in timed) / len(timed)
+        mean = sum(finite(r, f"time/{phase}_s") or 0.0 for r in timed) / len(timed)
         shares[phase] = (mean, 100 * mean / step if step else 0.0)
     return {**shares, "step": (step, 100.0)}
 
@@ -154,7 +94,7 @@ def memory_stats(run: Run) -> dict[str, tuple[float, float]]:
     """label → (mean GiB, max GiB) over all logged steps, for the memory fields the run has."""
     stats = {}
     for label, key in MEMORY_ROWS:
-        values = [v for r in run.steps if (v := _num(r, key)) is not None]
+        values = [v for r in run.steps if (v := finite(r, key)) is not None]
         if values:
             stats[label] = (sum(values) / len(values), max(values))
     return stats
@@ -168,25 +108,25 @@ def run_summary(run: Run) -> dict[str, float | str]:
         "reward (first step)": first["reward"],
         "reward (last step)": last["reward"],
     }
-    step_s = [v for r in run.steps if (v := _num(r, "time/step_s")) is not None]
+    step_s = [v for r in run.steps if (v := finite(r, "time/step_s")) is not None]
     if not step_s:  # older runs: wall time between logged steps
         pairs = [
-            (_num(a, "wall_s"), _num(b, "wall_s"), b["step"] - a["step"]) for a, b in zip(run.steps, run.steps[1:])
+            (finite(a, "wall_s"), finite(b, "wall_s"), b["step"] - a["step"]) for a, b in zip(run.steps, run.steps[1:])
         ]
         step_s = [(wb - wa) / n for wa, wb, n in pairs if wa is not None and wb is not None and n > 0]
     if step_s:
         out["median s/step"] = statistics.median(step_s)
-    tokens = [v for r in run.steps if (v := _num(r, "gen/tokens_per_s")) is not None]
+    tokens = [v for r in run.steps if (v := finite(r, "gen/tokens_per_s")) is not None]
     if tokens:
         out["generated tokens/s (median)"] = statistics.median(tokens)
     both = [
         (o, s)
         for r in run.steps
-        if (o := _num(r, "telemetry/overhead_s")) is not None and (s := _num(r, "time/step_s"))
+        if (o := finite(r, "telemetry/overhead_s")) is not None and (s := finite(r, "time/step_s"))
     ]
     if both:
         out["telemetry overhead (% of step time)"] = 100 * sum(o for o, _ in both) / sum(s for _, s in both)
-    if (wall := _num(last, "wall_s")) is not None:
+    if (wall := finite(last, "wall_s")) is not None:
         out["wall time at last step (s)"] = wall
     return out
 
@@ -310,21 +250,6 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def innermost_spans(edges: list[tuple[float, str, str]]) -> list[tuple[float, float, str]]:
-    """(start, end, phase) spans of the innermost open phase, from nested start/end edges in time order."""
-    stack: list[str] = []
-    spans, last = [], None
-    for t, phase, edge in edges:
-        if stack and last is not None and t > last:
-            spans.append((last, t, stack[-1]))
-        if edge == "start":
-            stack.append(phase)
-        elif phase in stack:
-            del stack[len(stack) - 1 - stack[::-1].index(phase)]
-        last = t
-    return spans
-
-
 def plot_memory_timeline(runs: list[Run], path: Path) -> Path | None:
     """Memory over time per rank (rows) and run (columns), innermost phases shaded, step ends marked."""
     import numpy as np
@@ -393,7 +318,7 @@ def plot_step_breakdown(runs: list[Run], path: Path) -> Path | None:
         steps = [r["step"] for r in run.steps]
         bottom = [0.0] * len(steps)
         for phase in _phases(run.steps):
-            secs = [_num(r, f"time/{phase}_s") or 0.0 for r in run.steps]
+            secs = [finite(r, f"time/{phase}_s") or 0.0 for r in run.steps]
             ax.bar(steps, secs, bottom=bottom, color=COLORS.get(phase, "tab:cyan"), label=phase, width=0.8)
             bottom = [b + s for b, s in zip(bottom, secs)]
         if not any(bottom):

@@ -1,9 +1,9 @@
 """Memory diagnostic (GPU, not part of the package): in colocate-rl's worker processes, print GPU memory, every live
 CUDA tensor's size and ZeRO-3 parameter state just before each of the first 4 weight syncs (`[diag] {json}`);
 with DIAG_RELEASE=1, from the second sync on, also call DeepSpeed's engine.empty_partition_cache() and print again.
-Python loads it from PYTHONPATH at start-up (docs/benchmarks.md, mem-probe accuracy, session 4):
+Python loads it from PYTHONPATH at start-up (docs/benchmarks/README.md, mem-probe accuracy, session 4):
 
-    PYTHONPATH=scripts/diag_memory DIAG_RELEASE=1 colocate-rl train recipes/gpu-1.5b-layout-zero3.yaml -v \
+    PYTHONPATH=tools/diag_memory DIAG_RELEASE=1 colocate-rl train recipes/gpu-1.5b-layout-zero3.yaml -v \
       --set generation.vllm_gpu_memory_utilization=0.86 --set generation.enforce_eager=true \
       --set trainer.max_steps=4 --set output.save_model=false
 """

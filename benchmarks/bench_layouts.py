@@ -13,9 +13,9 @@ Use a fresh --out directory (a run directory that holds a finished run is refuse
 differences of `wall_s` in the run's metrics.jsonl over the steps after the first (the first holds the warm-up);
 `time/*_s` medians come from the same steps. Writes OUT/results.jsonl (one object per row) and OUT/results.md.
 
-    python scripts/bench_layouts.py --out bench-out                 # all rows, 12 steps each (2 GPUs)
-    python scripts/bench_layouts.py --out bench-out --rows auto,zero3 --steps 20
-    python scripts/bench_layouts.py --out bench-out --dry-run       # print the exact commands, run nothing
+    python benchmarks/bench_layouts.py --out bench-out                 # all rows, 12 steps each (2 GPUs)
+    python benchmarks/bench_layouts.py --out bench-out --rows auto,zero3 --steps 20
+    python benchmarks/bench_layouts.py --out bench-out --dry-run       # print the exact commands, run nothing
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ ROWS: dict[str, tuple[list[str], int]] = {
     "server-256": ([], 256),  # one trainer rank: micro-batch 16 × 16 accumulation steps
 }
 
-SERVER_TRAINER = '''"""TRL GRPOTrainer in server mode (written by scripts/bench_layouts.py): one rank, vLLM served elsewhere."""
+SERVER_TRAINER = '''"""TRL GRPOTrainer in server mode (written by benchmarks/bench_layouts.py): one rank, vLLM served elsewhere."""
 import json, sys, time
 from pathlib import Path
 
@@ -193,7 +193,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
 
 def step_stats(run_dir: Path) -> dict:
     """Median s/step (wall_s differences after the first step) and median time/*_s over the same steps."""
-    from colocate_rl.launch.execute import read_metrics
+    from colocate_rl.rundir import read_metrics
 
     records = [r for r in read_metrics(run_dir) if "wall_s" in r and "train_runtime" not in r]
     by_step = {r["step"]: r for r in records}

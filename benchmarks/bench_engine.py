@@ -5,9 +5,9 @@ Every row is one `colocate-rl train` run (same recipe and seed; only generation.
 Figures come from the run's metrics.jsonl (telemetry) over the steps after the first (warm-up), and from the
 engine's start-up line in train.log (vLLM's GPU memory awake and asleep, driver's count):
 
-    python scripts/bench_engine.py --out bench/ --rows 1gpu --device 0
-    python scripts/bench_engine.py --out bench/ --rows 2gpu --device 0,1
-    python scripts/bench_engine.py --out bench/ --table        # table.md from every results.jsonl row so far
+    python benchmarks/bench_engine.py --out bench/ --rows 1gpu --device 0
+    python benchmarks/bench_engine.py --out bench/ --rows 2gpu --device 0,1
+    python benchmarks/bench_engine.py --out bench/ --table        # table.md from every results.jsonl row so far
 
 `--dry-run` prints the commands. A failing row is recorded with its exit code and the others still run.
 """
@@ -95,7 +95,7 @@ def median_after_first(records: list[dict], key: str) -> float | None:
 
 def figures(name: str, run_dir: Path, code: int, wall: float, cmd: str) -> dict:
     row = {"row": name, "exit": code, "wall_s": round(wall, 1), "command": cmd}
-    from colocate_rl.launch.execute import read_metrics
+    from colocate_rl.rundir import read_metrics
 
     steps = [r for r in read_metrics(run_dir) if "time/step_s" in r]
     row["steps"] = len(steps)

@@ -5,7 +5,7 @@ probe (short trials), then find by bisection the largest vLLM share that really 
 `results.jsonl` (one object per case) and `benchmarks.md` (estimate vs measured per phase, % error; recommended
 share vs the true largest) to `--out`.
 
-    python scripts/bench_mem_probe.py --out runs/bench-mem-probe [--cases 0.5b-sleep,1.5b-zero3]
+    python benchmarks/bench_mem_probe.py --out runs/bench-mem-probe [--cases 0.5b-sleep,1.5b-zero3]
         [--set generation.enforce_eager=true] [--steps 3] [--verify-steps 20] [--dry-run]
 
 `--set` overrides go to every trial (probe and verification). A case's finished probe is kept in
@@ -27,7 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from colocate_rl.launch.failures import TOO_HIGH  # noqa: E402
 from colocate_rl.memory import probe as P  # noqa: E402
+from colocate_rl.memory.bisect import ProbeAborted, TrialResult, bisect  # noqa: E402
+from colocate_rl.pipeline import load_resolved  # noqa: E402
+from colocate_rl.plan.host import detect_host  # noqa: E402
+from colocate_rl.recipe.load import format_sets, parse_sets  # noqa: E402
 
 CASES = {  # name → recipe, visible GPUs, overrides
     "0.5b-sleep": ("recipes/gpu-0.5b-layout.yaml", "0", []),
@@ -71,8 +76,8 @@ def verify(
     log = out_dir / "trials.jsonl"
     done = {}
     for t in probe_trials:
-        if t["outcome"] in P.TOO_HIGH:
-            done[round(t["util"], 6)] = P.TrialResult(
+        if t["outcome"] in TOO_HIGH:
+            done[round(t["util"], 6)] = TrialResult(
                 t["util"],
                 t["outcome"],
                 steps=t.get("steps", 0),
@@ -81,11 +86,11 @@ def verify(
     if log.exists():
         for line in log.read_text().splitlines():
             row = json.loads(line)
-            done[round(row["util"], 6)] = P.TrialResult(**row)
+            done[round(row["util"], 6)] = TrialResult(**row)
     lower, upper = max(args.resolution, start - args.band), min(1.0, start + args.band)
-    count = len(list(out_dir.glob("trial-*.out"))) if out_dir.exists() else 0
+    count = len([p for p in out_dir.glob("trial-*") if p.is_dir()]) if out_dir.exists() else 0
 
-    def trial(util: float) -> P.TrialResult:
+    def trial(util: float) -> TrialResult:
         nonlocal count
         if round(util, 6) in done:
             result = done[round(util, 6)]
@@ -95,23 +100,18 @@ def verify(
                 flush=True,
             )
             return result
-        failed_below = [u for u, r in done.items() if r.outcome in P.TOO_HIGH and u < util]
+        failed_below = [u for u, r in done.items() if r.outcome in TOO_HIGH and u < util]
         if failed_below:  # a larger share leaves the trainer less memory still: not worth a trial
             u = min(failed_below)
             print(f"  verify: share {util:g} → too high ({u:g} failed: {done[u].outcome})", file=sys.stderr, flush=True)
-            return P.TrialResult(util, done[u].outcome, detail=f"implied: {u:g} failed ({done[u].outcome})")
+            return TrialResult(util, done[u].outcome, detail=f"implied: {u:g} failed ({done[u].outcome})")
         count += 1
         print(f"  verify trial {count}: share {util:g} ({args.verify_steps} steps) ...", file=sys.stderr, flush=True)
-        result = P.run_trial(
-            recipe,
-            util,
-            out_dir / P.trial_name(count, util),
-            args.verify_steps,
-            sets,
-            args.trial_timeout,
-            cwd=ROOT,
-            env={"CUDA_VISIBLE_DEVICES": gpus},
-        )
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # the trial's ranks and the host it is planned for
+        overrides = {**parse_sets(sets), **P.trial_overrides(util, args.verify_steps)}
+        resolved = load_resolved(ROOT / recipe, overrides, host=detect_host(), env=os.environ)[0]
+        plan = P.plan_trial(resolved, out_dir / P.trial_name(count, util))
+        result = P.run_trial(plan, util, args.verify_steps, args.trial_timeout)
         print(
             f"  → {result.outcome} ({result.seconds:.0f} s, {result.steps} steps) {result.detail}",
             file=sys.stderr,
@@ -122,8 +122,8 @@ def verify(
         return result
 
     try:
-        result = P.bisect(trial, lower, upper, args.resolution, start=start, margin=0.0)
-    except P.ProbeAborted as e:
+        result = bisect(trial, lower, upper, args.resolution, start=start, margin=0.0)
+    except ProbeAborted as e:
         return {"error": f"{e.trial.outcome}: {e.trial.detail}", "trials": len(e.trials)}
     bound = (
         "≥" if result.largest is not None and result.largest >= result.upper else "≤" if result.largest is None else ""
@@ -206,9 +206,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {name}: probe ({args.steps}-step trials)")
             print(f"CUDA_VISIBLE_DEVICES={gpus} {shlex.join(probe)}")
             if not args.skip_verify:
-                trial = P.trial_command(
-                    recipe, 0.0, args.out / name / "verify" / "trial-K-utilU", args.verify_steps, sets
-                )
+                # what a verification trial runs, as the equivalent `train` command
+                trial = [sys.executable, "-m", "colocate_rl", "train", recipe, "--run-dir"]
+                trial.append(str(args.out / name / "verify" / "trial-K-utilU"))
+                for item in [*sets, *format_sets(P.trial_overrides(0.0, args.verify_steps))]:
+                    trial += ["--set", item]
                 util_set = "generation.vllm_gpu_memory_utilization="
                 shown = shlex.join([f"{util_set}U" if a.startswith(util_set) else a for a in trial])
                 print(

@@ -1,0 +1,100 @@
+"""What every verb of the command line shares: the app, the consoles, the option types, and `guarded`, the one
+exception boundary (known errors become one line each on stderr and exit 2, never a traceback)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from colocate_rl.errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Colocated online RL (GRPO, RLOO) with TRL: one YAML recipe → torchrun → vLLM beside "
+    "the trainer on every GPU.",
+)
+console = Console()
+err_console = Console(stderr=True)
+
+RecipeArg = Annotated[str, typer.Argument(help="Recipe file, or the name of a shipped recipe.")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="Override a key: --set trainer.max_steps=20 (YAML value).")
+]
+GpusOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--gpus", min=0, help="Plan for N GPUs per node with vLLM instead of detecting them (e.g. on a login node)."
+    ),
+]
+PlanMemOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--gpu-memory",
+        metavar="GIB",
+        min=1,
+        help="Memory of one GPU in GiB for planning (zero_stage auto; default: the detected GPU's, or 80 with --gpus).",
+    ),
+]
+NnodesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--nnodes",
+        metavar="N",
+        help="Number of nodes (distributed.nnodes; under srun read from Slurm).",
+        show_default=False,
+    ),
+]
+NodeRankOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--node-rank", metavar="K", help="This node's rank, 0 … nnodes-1 (distributed.node_rank).", show_default=False
+    ),
+]
+RdzvEndpointOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="Rendezvous host:port, normally node 0 (distributed.rdzv_endpoint).",
+        show_default=False,
+    ),
+]
+RdzvIdOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rdzv-id",
+        metavar="ID",
+        help="Rendezvous id, the same on every node of one job (distributed.rdzv_id).",
+        show_default=False,
+    ),
+]
+
+
+def guarded(fn):
+    """Known errors → one line each on stderr, exit 2, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            for line in e.lines:
+                err_console.print(f"[red]error:[/] {line}", markup=True, highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130)
+
+    return wrapper
+
+
+def parse_sets(items: list[str] | None) -> dict:
+    """`--set` strings as overrides (dotted key → value)."""
+    from colocate_rl.recipe.load import parse_sets as parse
+
+    return parse(items or [])

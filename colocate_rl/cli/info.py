@@ -1,0 +1,97 @@
+"""`colocate-rl recipes`, `env` and `report`: the shipped files, this machine, a run's telemetry."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from colocate_rl.cli.common import app, console, guarded
+from colocate_rl.errors import UserError
+
+
+@app.command()
+@guarded
+def recipes(
+    name: Annotated[str | None, typer.Argument(help="Shipped recipe to copy out.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Where to copy it (default ./NAME.yaml).")] = None,
+) -> None:
+    """List the shipped recipes and cluster launch scripts, or copy one out to edit: `colocate-rl recipes
+    quickstart`, `colocate-rl recipes slurm.sbatch`."""
+    from colocate_rl.recipe.shipped import recipe_summary, shipped_examples, shipped_recipes
+
+    shipped, examples = shipped_recipes(), shipped_examples()
+    if name is None:
+        table = Table("name", "what it runs")
+        for key, path in shipped.items():
+            table.add_row(key, recipe_summary(path))
+        console.print(table)
+        scripts = Table("launch script", "what it does")
+        for key, path in examples.items():
+            scripts.add_row(key, recipe_summary(path))
+        console.print(scripts)
+        console.print("copy one out to edit: colocate-rl recipes NAME [--out FILE]")
+        return
+    if name not in shipped and name not in examples:
+        raise UserError(
+            f"{name}: no shipped recipe or launch script of that name; shipped: {', '.join([*shipped, *examples])}"
+        )
+    target = out or Path(f"{name}.yaml" if name in shipped else name)
+    if target.exists():
+        raise UserError(f"{target}: already exists; pass --out with another file name")
+    if name in shipped:
+        shutil.copyfile(shipped[name], target)
+        console.print(f"wrote {target}; run it with: colocate-rl train {target}")
+    else:
+        shutil.copyfile(examples[name], target)
+        target.chmod(0o755)
+        console.print(f"wrote {target}; its header says how to run it")
+
+
+@app.command()
+@guarded
+def env() -> None:
+    """Versions, GPUs, and the generation backend `auto` would pick on this machine."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from colocate_rl.plan.host import detect_host
+
+    table = Table("package", "version")
+    for package in ("colocate-rl", "torch", "transformers", "trl", "accelerate", "deepspeed", "vllm", "datasets"):
+        try:
+            table.add_row(package, version(package))
+        except PackageNotFoundError:
+            table.add_row(package, "[dim]not installed[/]")
+    console.print(table)
+    host = detect_host()
+    for i, gpu in enumerate(host.gpus):
+        console.print(f"GPU {i}: {gpu.name}, {gpu.memory_gib:.0f} GiB")
+    if not host.gpus:
+        console.print("GPUs: none (training runs on CPU with 2 ranks by default)")
+    backend = "vllm (colocated)" if host.gpus and host.has_vllm else "transformers"
+    why = "" if backend.startswith("vllm") else (" (no GPU)" if not host.gpus else " (vLLM not installed)")
+    console.print(f"generation.backend auto → {backend}{why}; CPU cores: {host.cpu_count}; RAM: {host.ram_gib:.0f} GiB")
+
+
+@app.command()
+@guarded
+def report(
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(
+            metavar="RUN_DIR",
+            show_default=False,
+            help="Run directory written by `colocate-rl train`; give two to compare them (e.g. sleep mode on vs off).",
+        ),
+    ],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Directory for the PNGs (default the first RUN_DIR).")
+    ] = None,
+) -> None:
+    """Time and memory per phase, reward and run summary as tables, plus PNG plots (memory timeline, step breakdown, reward)."""
+    from colocate_rl.telemetry.report import report as write_report
+
+    write_report(run_dirs, out, console)

@@ -1,0 +1,369 @@
+"""`colocate-rl mem-probe`: GPU memory per rank and phase, and the vLLM share to set — computed from the recipe
+(`--estimate`, colocate_rl.memory.estimate/recommend) or measured on this machine's GPUs (colocate_rl.memory.probe).
+This module parses the options and renders; the decisions are in colocate_rl.memory."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from colocate_rl.cli.common import GpusOpt, RecipeArg, SetOpt, app, console, err_console, guarded, parse_sets
+from colocate_rl.errors import UserError
+
+
+def trials_table(trials) -> Table:
+    from colocate_rl.memory.estimate import MEMORY_PHASES
+
+    table = Table(title="trials (peak GiB per phase, any rank, first step left out)")
+    for col in ("#", "share", "result", "seconds", "steps", *MEMORY_PHASES):
+        table.add_column(col, justify="left" if col == "result" else "right")
+    for k, t in enumerate(trials, 1):
+        table.add_row(
+            str(k),
+            f"{t.util:g}",
+            t.outcome if t.ok else f"[red]{t.outcome}[/]",
+            f"{t.seconds:.0f}",
+            str(t.steps),
+            *(f"{t.peaks[p]:.2f}" if p in t.peaks else "" for p in MEMORY_PHASES),
+        )
+    return table
+
+
+def comparison_table(rows: list[dict[str, Any]], util: float) -> Table:
+    table = Table(title=f"measured vs estimated peak per GPU (GiB) at share {util:g}")
+    for col in ("phase", "estimate", "measured", "estimate error"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+
+    def fmt(value, spec):
+        return "" if value is None else format(value, spec)
+
+    for r in rows:
+        table.add_row(
+            r["phase"],
+            fmt(r["estimate_gib"], ".2f"),
+            fmt(r["measured_gib"], ".2f"),
+            "" if r["error_pct"] is None else f"{r['error_pct']:+.1f} %",
+        )
+    return table
+
+
+def host_line(e, ram_gib: float | None) -> list[str]:
+    """Host memory per node for offloaded state (none: no line); compared with this machine's RAM when known."""
+    if not e.host:
+        return []
+    line = (
+        f"host memory per node: {e.host_gib:.1f} GiB for "
+        + ", ".join(f"{k} {v:.1f}" for k, v in e.host.items())
+        + " (the processes' own memory comes on top)"
+    )
+    from colocate_rl.memory.autolayout import host_fits
+
+    if not host_fits(e.host_gib, ram_gib):  # the host limit auto's choice uses
+        line += f"; this machine has {ram_gib:.0f} GiB of RAM: not enough — use more GPUs or nodes, or less offload"
+    return [line]
+
+
+def recommendation_lines(rec, ram_gib: float | None = None) -> list[str]:
+    """What `mem-probe --estimate` prints under its table: layout, batch, window, verdict, recommendation."""
+    from colocate_rl.memory.estimate import MEMORY_PHASES, SHARE_MARGIN, VLLM_ALLOWANCE_GIB
+    from colocate_rl.memory.recommend import CHANGES
+    from colocate_rl.plan.deepspeed import ZeroLayout
+    from colocate_rl.recipe.load import format_sets
+
+    b, lay, kv, G = rec.base, rec.base.layout, rec.base.kv, rec.base.gpu_gib
+    r, stage = b.resolved.recipe, ZeroLayout.of(b.resolved.deepspeed).stage
+    lines = [
+        f"model {r.model.name}: {lay.params:,} params (hidden {lay.hidden}, {lay.layers} layers, {lay.heads} "
+        f"heads / {lay.kv_heads} KV heads, vocab {lay.vocab:,}); {r.distributed.nnodes} node(s) × "
+        f"{b.resolved.nproc_per_node} GPU(s) of {G:.1f} GiB; {'DDP' if stage is None else f'ZeRO-{stage}'}; "
+        f"vLLM TP {r.generation.tensor_parallel_size}",
+        f"generation batch: {kv['sequences']} sequences per vLLM engine × {kv['tokens']} tokens (prompt ≤ "
+        f"{kv['prompt_tokens']} + completion {kv['completion_tokens']}), KV {kv['bytes_per_token']:,} B/token → "
+        f"{kv['gib']:.2f} GiB; the recipe's share ({b.util}) holds {b.max_seqs(b.util):,} such sequences",
+        f"window for generation.vllm_gpu_memory_utilization: {b.lower:.3f} (vLLM weights + KV + "
+        f"{VLLM_ALLOWANCE_GIB:g} GiB allowance = {b.need_gib:.2f} GiB) to {b.upper:.3f} (what the trainer's "
+        f"{b.fixed[b.upper_phase]:.2f} GiB leave during {b.upper_phase})",
+    ]
+    where = "below the window" if b.util < b.lower else "above the window" if b.util > b.upper else "in the window"
+    phase, peak = b.peak()
+    lines.append(f"recipe as written (share {b.util}, {where}): peak {peak:.2f} GiB of {G:.1f} in {phase}")
+    if not b.asleep_fits:
+        p = max((p for p in MEMORY_PHASES if p not in b.awake), key=b.fixed.__getitem__)
+        lines.append(
+            f"does not fit: {p} needs {b.fixed[p]:.2f} GiB while vLLM sleeps; {G * (1 - SHARE_MARGIN):.1f} GiB "
+            f"usable ({SHARE_MARGIN:.0%} kept free)"
+        )
+    elif not b.fits:
+        lines.append(
+            f"does not fit: vLLM needs a share of {b.lower:.3f} + {SHARE_MARGIN:.0%}, the trainer leaves "
+            f"{b.upper:.3f} − {SHARE_MARGIN:.0%}"
+        )
+    f = rec.final
+    if f is None:
+        return lines + [f"no change tried makes it fit ({', '.join(CHANGES)}); use more GPUs or a smaller model"]
+    if rec.applied:
+        sets = " ".join(f"--set {item}" for item in format_sets(rec.changes))
+        lines.append(f"{'change' if b.fits else 'cheapest change that fits'}: {' + '.join(rec.applied)} ({sets})")
+    final_zero = ZeroLayout.of(f.resolved.deepspeed)
+    off_opt, off_par = final_zero.offload_optimizer, final_zero.offload_params
+    phase, peak = f.peak(f.chosen)
+    lines.append(
+        f"recommended: generation.vllm_gpu_memory_utilization {f.chosen:.2f} (lower bound + {SHARE_MARGIN:.0%} "
+        f"of the GPU); sleep level {f.resolved.recipe.generation.sleep_level}; optimizer "
+        f"offload {'on' if off_opt else 'off'}; param offload {'on' if off_par else 'off'} → peak "
+        f"{peak:.2f} GiB of {G:.1f} in {phase}; KV room for {f.max_seqs(f.chosen):,} sequences (a batch is "
+        f"{f.kv['sequences']})"
+    )
+    return lines + host_line(f, ram_gib) + [f"note: {n}" for n in b.notes + rec.notes]
+
+
+@app.command("mem-probe")
+@guarded
+def mem_probe(
+    recipe: RecipeArg,
+    estimate: Annotated[
+        bool, typer.Option("--estimate", help="Compute from the model layout and the recipe (no GPU needed).")
+    ] = False,
+    set_: SetOpt = None,
+    gpus: GpusOpt = None,
+    gpu_memory: Annotated[
+        float | None,
+        typer.Option(
+            "--gpu-memory", metavar="GIB", min=1, help="Memory of one GPU in GiB (default: the detected GPU's)."
+        ),
+    ] = None,
+    prompt_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--prompt-tokens",
+            min=1,
+            help="Prompt length in tokens (default: max_model_length − max_completion_length, else 512).",
+        ),
+    ] = None,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object (terms, phases, window, recommendation).")
+    ] = False,
+    write: Annotated[
+        Path | None,
+        typer.Option("--write", metavar="OUT.yaml", help="Write a copy of the recipe with the recommended values."),
+    ] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Measuring: training steps per trial.")] = 3,
+    probe_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--probe-dir", help="Measuring: where the trials' run directories go (default runs/mem-probe-<time>)."
+        ),
+    ] = None,
+    resolution: Annotated[
+        float, typer.Option("--resolution", min=0.001, max=0.5, help="Measuring: bisection step of the vLLM share.")
+    ] = 0.01,
+    margin: Annotated[
+        float,
+        typer.Option(
+            "--margin", min=0, max=0.5, help="Measuring: safety margin below the largest share that completed."
+        ),
+    ] = 0.02,
+    trial_timeout: Annotated[
+        float,
+        typer.Option(
+            "--trial-timeout",
+            min=1,
+            metavar="SECONDS",
+            help="Measuring: end a trial after this long (it then stops the probe).",
+        ),
+    ] = 1200,
+) -> None:
+    """GPU memory per rank and phase (generation, weight sync, training, optimizer step) and the vLLM share to set."""
+    from colocate_rl.plan.host import detect_host
+
+    host = detect_host()
+    if not estimate and not host.gpus:
+        raise UserError(
+            "mem-probe: no CUDA GPU on this machine; measuring runs the recipe on the GPUs — run "
+            "`colocate-rl mem-probe RECIPE --estimate` here"
+        )
+    if write is not None and write.exists():
+        raise UserError(f"--write: {write} already exists; choose another file name")
+    overrides = parse_sets(set_)
+    if estimate:
+        return _estimate(recipe, overrides, host, gpus, gpu_memory, prompt_tokens, json_out, write)
+    if gpus is not None:
+        raise UserError("--gpus: only with --estimate; measuring uses the GPUs it finds")
+    _measure(
+        recipe,
+        overrides,
+        host,
+        gpu_memory or host.gpus[0].memory_gib,
+        prompt_tokens,
+        json_out,
+        write,
+        steps,
+        probe_dir,
+        resolution,
+        margin,
+        trial_timeout,
+    )
+
+
+def _estimate(recipe, overrides, detected, gpus, gpu_memory, prompt_tokens, json_out, write) -> None:
+    from colocate_rl.memory.estimate import MEMORY_PHASES
+    from colocate_rl.memory.recommend import recommend, to_json
+    from colocate_rl.pipeline import estimate_host, load_resolved
+    from colocate_rl.recipe.load import format_sets, write_recipe_copy
+    from colocate_rl.recipe.shipped import find_recipe
+
+    host, gib = estimate_host(recipe, overrides, gpus=gpus, gpu_memory_gib=gpu_memory, detected=detected)
+    rec = recommend(
+        lambda changes: load_resolved(recipe, {**overrides, **changes}, host=host, env=os.environ)[0],
+        gib,
+        prompt_tokens,
+    )
+    choice = rec.base.resolved.layout_choice  # zero_stage / gradient_checkpointing auto: what was chosen and why
+    if json_out:
+        print(json.dumps({**to_json(rec), "layout_choice": choice.to_json() if choice is not None else None}))
+    else:
+        table = Table(
+            title=f"estimated memory per GPU (GiB), vLLM share {rec.base.util} of {gib:.1f} GiB, sleep level "
+            f"{rec.base.resolved.recipe.generation.sleep_level}"
+        )
+        table.add_column("term")
+        for phase in MEMORY_PHASES:
+            table.add_column(phase, justify="right")
+        for term, row in rec.base.terms.items():
+            table.add_row(term, *(f"{row[p]:.2f}" if p in row else "" for p in MEMORY_PHASES))
+        table.add_row("total", *(f"{rec.base.total(p):.2f}" for p in MEMORY_PHASES), style="bold")
+        console.print(table)
+        ram = detected.ram_gib if detected.gpus else None  # the GPUs are here: planning for this machine
+        for line in recommendation_lines(rec, ram) + (choice.lines() if choice is not None else []):
+            console.print(line, highlight=False, soft_wrap=True)
+    if write is not None:
+        if rec.final is None:
+            raise UserError("--write: no change tried makes the recipe fit; nothing written")
+        changed = ", ".join(format_sets(rec.changes))
+        write_recipe_copy(
+            write,
+            find_recipe(recipe),
+            {**overrides, **rec.changes},
+            f"{recipe} with the values of `colocate-rl mem-probe --estimate` ({changed})",
+        )
+        (err_console if json_out else console).print(f"wrote {write}", highlight=False)
+
+
+def _measure(
+    recipe, overrides, host, gib, prompt_tokens, json_out, write, steps, probe_dir, resolution, margin, trial_timeout
+) -> None:
+    from colocate_rl.memory.bisect import ProbeAborted
+    from colocate_rl.memory.probe import SEARCH_ABOVE_ESTIMATE, default_probe_dir, measure, plan_probe
+    from colocate_rl.pipeline import load_resolved
+    from colocate_rl.recipe.load import format_sets, write_recipe_copy
+    from colocate_rl.recipe.shipped import find_recipe
+
+    def resolve_with(extra):
+        return load_resolved(recipe, {**overrides, **extra}, host=host, env=os.environ)[0]
+
+    plan = plan_probe(
+        resolve_with({}),
+        gib,
+        probe_dir or default_probe_dir(datetime.now()),
+        prompt_tokens=prompt_tokens,
+        resolution=resolution,
+    )
+    out = err_console if json_out else console
+    out.print(
+        f"probing generation.vllm_gpu_memory_utilization in {plan.lower:.3f}–{plan.search_upper:.3f} (the estimated "
+        f"window {plan.lower:.3f}–{plan.upper:.3f} and up to {SEARCH_ABOVE_ESTIMATE:g} above it; its top first) at "
+        f"a resolution of {resolution:g}, {steps} steps a trial; trials in {plan.probe_dir}",
+        highlight=False,
+    )
+    choice = plan.resolved.layout_choice
+    if plan.pinned:
+        out.print(
+            f"every trial trains with auto's layout at the recipe's share ({choice.chosen.label}): "
+            + " ".join(f"--set {item}" for item in format_sets(plan.pinned)),
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    def on_trial(k, t) -> None:
+        line = f"  → {t.outcome} ({t.seconds:.0f} s, {t.steps} steps)" + (f": {t.detail}" if t.detail else "")
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
+
+    try:
+        measured = measure(
+            plan,
+            resolve_with,
+            steps=steps,
+            resolution=resolution,
+            margin=margin,
+            timeout_s=trial_timeout,
+            on_start=lambda k, u: out.print(f"trial {k}: share {u:g} ...", highlight=False),
+            on_trial=on_trial,
+        )
+    except ProbeAborted as e:
+        err_console.print(trials_table(e.trials))
+        err_console.print(e.trial.log_tail, highlight=False, markup=False, soft_wrap=True)
+        raise UserError(
+            f"mem-probe: trial {len(e.trials)} (share {e.trial.util:g}) failed for a reason the probe "
+            f"does not bisect on ({e.trial.outcome}: {e.trial.detail}); its run directory is "
+            f"{e.trial.run_dir}; fix that and probe again"
+        )
+    result, best = measured.result, measured.result.best_trial()
+    if json_out:
+        print(
+            json.dumps(
+                {
+                    "recipe": str(find_recipe(recipe)),
+                    "gpu_memory_gib": gib,
+                    "steps": steps,
+                    "probe_dir": str(plan.probe_dir),
+                    **measured.to_json(),
+                }
+            )
+        )
+    else:
+        from colocate_rl.memory.peaks import comparison
+
+        console.print(trials_table(result.trials))
+        if best is not None:
+            console.print(comparison_table(comparison(plan.estimate_at(best.util), best.peaks), best.util))
+        if result.recommended is not None:
+            console.print(
+                f"largest share that completed {steps} steps: {result.largest:g}; recommended: "
+                f"generation.vllm_gpu_memory_utilization {result.recommended:g} (largest − margin "
+                f"{margin:g}; the estimate recommended {plan.estimate.chosen:g})",
+                highlight=False,
+                soft_wrap=True,
+            )
+        for note in result.notes:
+            console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        if measured.layout_check is not None:
+            console.print(
+                f"layout (auto): {measured.layout_check['line']} — peak of share {best.util:g}'s trial moved to the "
+                f"recipe's share {measured.layout_check['at_share']:g}",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
+            )
+    if result.recommended is None:
+        raise UserError(
+            "mem-probe: no vLLM share in the window completed the steps ("
+            + "; ".join(result.notes)
+            + f"); see the trials in {plan.probe_dir}"
+            + ("; nothing written" if write else "")
+        )
+    if write is not None:
+        write_recipe_copy(
+            write,
+            find_recipe(recipe),
+            {**overrides, **plan.pinned, "generation.vllm_gpu_memory_utilization": result.recommended},
+            f"{recipe} with generation.vllm_gpu_memory_utilization {result.recommended:g} measured by "
+            f"`colocate-rl mem-probe` (largest passing {result.largest:g} − margin {margin:g})"
+            + (f" and the layout the trials ran ({choice.chosen.label})" if plan.pinned else ""),
+        )
+        out.print(f"wrote {write}", highlight=False)

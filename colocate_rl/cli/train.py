@@ -1,0 +1,286 @@
+"""`colocate-rl validate` and `colocate-rl train`: parse options, resolve and plan (colocate_rl.pipeline), execute
+(colocate_rl.launch.execute), render the summary, progress and outcome."""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from colocate_rl.cli.common import (
+    GpusOpt,
+    NnodesOpt,
+    NodeRankOpt,
+    PlanMemOpt,
+    RdzvEndpointOpt,
+    RdzvIdOpt,
+    RecipeArg,
+    SetOpt,
+    app,
+    console,
+    guarded,
+    parse_sets,
+)
+from colocate_rl.errors import UserError
+
+SHORT_PHASES = {
+    "generate": "gen",
+    "weight_sync": "sync",
+    "weight_check": "check",
+    "wake": "wake",
+    "sleep": "sleep",
+    "offload": "offload",
+    "reload": "reload",
+    "reward": "reward",
+    "prepare": "prep",
+    "train": "train",
+    "optimizer": "opt",
+}
+
+
+def _load(recipe: str, set_: list[str] | None, gpus: int | None, gpu_memory: float | None, flags: dict):
+    from colocate_rl.pipeline import load_resolved
+    from colocate_rl.plan.host import planning_host
+
+    return load_resolved(recipe, parse_sets(set_), host=planning_host(gpus, gpu_memory), flags=flags, env=os.environ)
+
+
+def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") -> Table:
+    from colocate_rl.plan.deepspeed import ZeroLayout
+
+    r = resolved.recipe
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    dist = r.distributed
+    ds = resolved.deepspeed
+    layout = f"ZeRO-{ZeroLayout.of(ds).stage} ({dist.deepspeed or 'zero3'})" if ds else "DDP"
+    if resolved.layout_choice is not None:
+        layout = f"{resolved.layout_choice.chosen.label} (auto)"
+    host = f"{resolved.host.gpu_count} GPU(s)" + (" assumed" if resolved.host.assumed else "")
+    gen = r.generation
+    rows = [
+        ("recipe", f"{r.name} ({r.algorithm})"),
+        ("model", f"{r.model.name} ({resolved.model_dtype})"),
+        ("data", r.data.source),
+        ("rewards", ", ".join(f"{x.name}×{x.weight:g}" for x in r.rewards)),
+        (
+            "ranks",
+            f"{dist.nnodes} node(s) × {resolved.nproc_per_node} = {resolved.world_size} on {resolved.device} ({host})",
+        ),
+        ("trainer", f"{layout}, precision {resolved.precision}"),
+        (
+            "generation",
+            resolved.backend
+            + (
+                f", gpu util {gen.vllm_gpu_memory_utilization}, TP {gen.tensor_parallel_size}, sleep {gen.sleep_level}"
+                if resolved.backend == "vllm"
+                else ""
+            ),
+        ),
+        (
+            "steps",
+            f"{r.trainer.max_steps} × {r.trainer.per_device_train_batch_size * resolved.world_size} "
+            f"completions ({r.trainer.num_generations} per prompt)",
+        ),
+    ]
+    if dist.nnodes > 1:
+        rows.append(
+            (
+                "node",
+                f"{dist.node_rank} of {dist.nnodes}, rendezvous {dist.rdzv_backend} {dist.rdzv_endpoint} "
+                f"(id {dist.rdzv_id})",
+            )
+        )
+    if recipe_hash:
+        rows.append(("recipe hash", f"{recipe_hash} (the same on every node)"))
+    if run_dir is not None:
+        rows.append(("run dir", str(run_dir)))
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def phase_summary(record: dict[str, Any]) -> str:
+    """`gen 0.61s sync 0.10s train 0.30s opt 0.05s | GPU 14.5 GiB (peak 41.5)` from one metrics record."""
+    phases = [
+        f"{short} {record[f'time/{name}_s']:.2f}s"
+        for name, short in SHORT_PHASES.items()
+        if record.get(f"time/{name}_s", 0) >= 0.005
+    ]
+    text = " ".join(phases)
+    if "mem/gpu_used_gib" in record:
+        text += f" | GPU {record['mem/gpu_used_gib']:.1f} GiB (peak {record.get('mem/gpu_peak_gib', 0):.1f})"
+    elif "mem/rss_gib" in record:
+        text += f" | RSS {record['mem/rss_gib']:.2f} GiB"
+    return text
+
+
+def step_line(record: dict[str, Any]) -> str:
+    parts = [f"step {record['step']}/{record.get('max_steps', '?')}"]
+    for key in ("reward", "loss"):
+        if isinstance(record.get(key), (int, float)):
+            parts.append(f"{key} {record[key]:.4f}")
+    parts.append(f"{record['wall_s']:.1f}s")
+    breakdown = phase_summary(record)
+    return "  ".join(parts) + (f"  [{breakdown}]" if breakdown else "")
+
+
+def run_with_progress(plan, console, verbose: bool = False) -> int:
+    """Prepare and run `plan`, showing progress (a live bar on a terminal, one line per step otherwise, every rank's
+    output with `verbose`) and how the run ended; returns the exit code for `train`."""
+    from colocate_rl.launch.execute import prepare, run
+    from colocate_rl.rundir import RunDir
+
+    console.print(f"run dir: [bold]{plan.run_dir}[/]  (log: {RunDir(plan.run_dir).log(plan.node_dir)})")
+    if plan.builtin_model:
+        console.print(f"building built-in model {plan.builtin_model['layout']} ...")
+    differ = prepare(plan)
+    if differ:
+        console.print(
+            f"[yellow]warning:[/] {', '.join(differ)} in the run dir were written by another node from a "
+            "different recipe; the ranks compare recipes at start and stop if the nodes differ",
+            highlight=False,
+        )
+    progress = None
+    if console.is_terminal and not verbose:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        progress = Progress(
+            TextColumn("training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=console,
+        )
+        task = progress.add_task("train", total=None, status="starting ranks ...")
+        progress.start()
+
+    def on_step(record: dict[str, Any]) -> None:
+        if progress is not None:
+            status = f"reward {record['reward']:.3f}  {phase_summary(record)}"
+            progress.update(task, completed=record["step"], total=record.get("max_steps"), status=status)
+        else:
+            console.out(step_line(record), highlight=False)
+
+    def echo(line: str) -> None:
+        console.out(line, highlight=False)
+
+    try:
+        result = run(plan, on_step=on_step, echo=echo if verbose else None)
+    finally:
+        if progress is not None:
+            progress.stop()
+    if result.crashed_after_done:
+        console.print(
+            f"[yellow]warning:[/] torchrun exited {result.torchrun_code} after the run finished and saved its model "
+            "(a crash at interpreter exit, known with vLLM sleep mode); the run counts as successful"
+        )
+    if result.code != 0:
+        if not verbose:
+            console.print(result.log_tail(), markup=False, highlight=False)
+        console.print(f"[red]error:[/] training failed (torchrun exit {result.code}); full log: {result.log}")
+        for line in result.errors:
+            console.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+        for line in result.hints:
+            console.print(f"[yellow]hint:[/] {line}", highlight=False)
+    return result.code
+
+
+@app.command()
+@guarded
+def validate(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    gpus: GpusOpt = None,
+    nnodes: NnodesOpt = None,
+    node_rank: NodeRankOpt = None,
+    rdzv_endpoint: RdzvEndpointOpt = None,
+    rdzv_id: RdzvIdOpt = None,
+    gpu_memory: PlanMemOpt = None,
+) -> None:
+    """Check a recipe (schema and cross-field checks against this machine) without running it."""
+    from colocate_rl.plan.sources import parse_node_flags
+
+    flags = parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id)
+    resolved, _ = _load(recipe, set_, gpus, gpu_memory, flags)
+    console.print(summary_table(resolved))
+    if resolved.layout_choice is not None:
+        for line in resolved.layout_choice.lines():
+            console.print(line, highlight=False, soft_wrap=True)
+    console.print("[green]recipe is valid[/]")
+
+
+@app.command()
+@guarded
+def train(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the launch command; write nothing.")] = False,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--run-dir",
+            help="Run directory (default runs/<name>-<time>; on several nodes runs/<name>-<rdzv id>).",
+        ),
+    ] = None,
+    gpus: GpusOpt = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Stream every rank's output.")] = False,
+    nnodes: NnodesOpt = None,
+    node_rank: NodeRankOpt = None,
+    rdzv_endpoint: RdzvEndpointOpt = None,
+    rdzv_id: RdzvIdOpt = None,
+    gpu_memory: PlanMemOpt = None,
+) -> None:
+    """Train: validate the recipe, write the run directory, run torchrun with the worker on every rank."""
+    from colocate_rl.pipeline import plan_run
+    from colocate_rl.plan.slurm import slurm_note
+    from colocate_rl.plan.sources import NODE_KEYS, parse_node_flags
+    from colocate_rl.rundir import check_run_dir_free, summarize
+
+    flags = parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id)
+    resolved, sources = _load(recipe, set_, gpus, gpu_memory, flags)
+    dist = resolved.recipe.distributed
+    plan = plan_run(resolved, run_dir, env=os.environ, now=datetime.now(), cwd=Path.cwd(), python=sys.executable)
+    note = slurm_note(os.environ) if dist.nnodes == 1 and sources["nnodes"] in ("default", "recipe") else None
+    if dry_run:
+        print(f"# run dir (not created): {plan.run_dir}")
+        for key in NODE_KEYS:  # where the node settings came from (all of them on several nodes)
+            if dist.nnodes > 1 or sources[key] != "default":
+                print(f"# distributed.{key} = {getattr(dist, key)}  ({sources[key]})")
+        if dist.nnodes > 1:
+            print(f"# recipe hash: {plan.recipe_hash} (must be the same on every node)")
+        if note:
+            print(f"# note: {note}")
+        for line in resolved.layout_choice.lines() if resolved.layout_choice is not None else []:
+            print(f"# {line}")
+        print(plan.command_line())
+        return
+    if gpus is not None or gpu_memory is not None:
+        raise UserError(
+            f"{'--gpus' if gpus is not None else '--gpu-memory'}: only for planning (validate, train "
+            "--dry-run); a real run uses the GPUs it finds"
+        )
+    check_run_dir_free(plan.run_dir, plan.node_dir)
+    if note:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    console.print(summary_table(resolved, plan.run_dir, plan.recipe_hash if dist.nnodes > 1 else ""))
+    code = run_with_progress(plan, console, verbose=verbose)
+    summary = summarize(plan.run_dir)
+    if summary["steps"]:
+        table = Table(title="run summary")
+        for col in ("steps", "reward first → last", "train time"):
+            table.add_column(col)
+        table.add_row(
+            str(summary["steps"]),
+            f"{summary['reward_first']:.3f} → {summary['reward_last']:.3f}",
+            f"{summary['train_s']:.1f} s",
+        )
+        console.print(table)
+    raise typer.Exit(code)

@@ -1,0 +1,138 @@
+"""The one process-group runner: `train`, the measuring probe's trials and the benchmark drivers start torchrun (or
+another launcher) through `run_supervised`.
+
+The child runs in its own session (process group); its combined output is appended to a log file (and echoed line
+by line when asked); SIGINT/SIGTERM sent to this process are forwarded to the child's group; with a timeout the whole
+tree is ended (SIGTERM, then SIGKILL after a grace period). Every process the child started is noted while it runs
+(torchrun's ranks, vLLM's engine processes, which may leave the group) and none is left running afterwards: a
+straggler would hold GPU memory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+TICK_S = 0.5
+
+
+@dataclass(frozen=True)
+class Outcome:
+    returncode: int
+    timed_out: bool = False
+    seconds: float = 0.0
+
+
+def _note_descendants(proc: subprocess.Popen, seen: dict) -> None:
+    import psutil
+
+    try:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            seen.setdefault((child.pid, child.create_time()), child)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+
+
+def end_tree(proc: subprocess.Popen, seen: dict, grace_s: float) -> None:
+    """SIGTERM to the child's process group and to every process it started (each by its id, also those in other
+    sessions), then SIGKILL to whatever is left after `grace_s`."""
+    import psutil
+
+    _note_descendants(proc, seen)
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    procs = [p for p in seen.values() if p.is_running()]
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + grace_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    _, alive = psutil.wait_procs(procs, timeout=max(0.1, deadline - time.monotonic()))
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+    proc.wait()
+
+
+def run_supervised(
+    argv: list[str],
+    env: Mapping[str, str],
+    log_path: Path,
+    *,
+    echo: Callable[[str], None] | None = None,
+    on_tick: Callable[[], None] | None = None,
+    timeout_s: float | None = None,
+    cwd: Path | None = None,
+    stdin: int | None = None,
+) -> Outcome:
+    """Run `argv` with exactly `env` until it exits (or `timeout_s` passes: the tree is ended), appending its
+    output to `log_path`; `on_tick` is called about twice a second and once at the end."""
+    begin = time.monotonic()
+    proc = subprocess.Popen(
+        argv,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=stdin,
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        with log_path.open("ab") as log:
+            for line in iter(proc.stdout.readline, b""):
+                log.write(line)
+                log.flush()
+                if echo is not None:
+                    echo(line.decode(errors="replace").rstrip("\n"))
+
+    def forward(signum, _frame) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signum)
+
+    copier = threading.Thread(target=pump, daemon=True)
+    copier.start()
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    seen: dict = {}
+    timed_out = False
+    try:
+        while proc.poll() is None:
+            _note_descendants(proc, seen)
+            if timeout_s is not None and time.monotonic() - begin > timeout_s:
+                end_tree(proc, seen, grace_s=15)
+                timed_out = True
+                break
+            if on_tick is not None:
+                on_tick()
+            time.sleep(TICK_S)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if any(p.is_running() for p in seen.values()):  # a straggler of the tree (it would hold GPU memory)
+        end_tree(proc, seen, grace_s=10)
+    copier.join(timeout=10)
+    if on_tick is not None:
+        on_tick()
+    return Outcome(proc.returncode, timed_out, round(time.monotonic() - begin, 1))

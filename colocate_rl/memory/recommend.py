@@ -1,0 +1,175 @@
+"""The change search and JSON output of `colocate-rl mem-probe --estimate`: when a recipe does not fit, the
+cheapest of CHANGES that makes it fit by the estimate (`colocate_rl.memory.estimate`), and a vLLM share to set."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from colocate_rl.errors import UserError
+from colocate_rl.memory.estimate import Estimate, estimate, summary
+from colocate_rl.plan.deepspeed import ZeroLayout
+
+if TYPE_CHECKING:
+    from colocate_rl.plan.resolve import Resolved
+
+CHANGES = (
+    "sleep on",
+    "gradient checkpointing",
+    "ZeRO-3",
+    "optimizer offload",
+    "param offload",
+    "TP",
+    "shorter completions",
+)  # tried in this order (cheapest first) when a recipe does not fit
+
+
+def _alternatives(name: str, e: Estimate) -> list[dict[str, Any]]:
+    """Overrides that make change `name` to e's recipe, mildest first ([] when it does not apply)."""
+    g, t = e.resolved.recipe.generation, e.resolved.recipe.trainer
+    z = ZeroLayout.of(e.resolved.deepspeed)
+    stage, off_opt, off_par = z.stage, z.offload_optimizer, z.offload_params
+    to_ds = {"distributed.deepspeed": "zero3"} if stage is None else {}
+    if name == "sleep on":
+        return [] if g.sleep_level else [{"generation.sleep_level": 2}]
+    if name == "gradient checkpointing":
+        return [] if e.resolved.gradient_checkpointing else [{"trainer.gradient_checkpointing": True}]
+    if name == "ZeRO-3":
+        return [] if stage == 3 else [to_ds or {"distributed.zero_stage": 3}]
+    if name == "optimizer offload":
+        return [] if off_opt else [{**to_ds, "distributed.offload_optimizer": True}]
+    if name == "param offload":
+        to_3 = to_ds or ({} if stage == 3 else {"distributed.zero_stage": 3})
+        return [] if off_par else [{**to_3, "distributed.offload_params": True}]
+    if name == "TP":
+        return [
+            {"generation.tensor_parallel_size": s}
+            for s in (2, 4, 8, 16)
+            if s > g.tensor_parallel_size and e.resolved.nproc_per_node % s == 0 and e.layout.heads % s == 0
+        ]
+    c0, mml = t.max_completion_length, g.max_model_length  # shorter completions: max_model_length shrinks with
+    return [
+        {
+            "trainer.max_completion_length": c,  # them, so the prompt keeps its room
+            **({"generation.max_model_length": mml - c0 + c} if mml else {}),
+        }
+        for c in (c0 >> k for k in range(1, 12))
+        if c >= 32
+    ]
+
+
+@dataclass
+class Recommendation:
+    base: Estimate  # the recipe as given
+    final: Estimate | None  # with `changes` applied; None when nothing tried fits
+    changes: dict[str, Any]  # dotted key → value, the vLLM share included
+    applied: list[str]  # names of the changes, cheapest first
+    notes: list[str]
+
+
+def _merged(groups: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The overrides of several named changes as one mapping."""
+    return {key: value for _, overrides in groups for key, value in overrides.items()}
+
+
+def _search_changes(
+    base: Estimate, attempt: Callable[[dict[str, Any]], Estimate | None]
+) -> tuple[list[tuple[str, dict[str, Any]]], Estimate | None]:
+    """For a recipe that does not fit: the first of CHANGES that fits alone (cheapest first); else CHANGES
+    applied together until one fits, then without those that turn out not to be needed. Returns the named
+    changes and the estimate after them (None when nothing fits)."""
+    for name in CHANGES:
+        for alt in _alternatives(name, base):
+            e = attempt(alt)
+            if e is not None and e.fits:
+                return [(name, alt)], e
+    groups: list[tuple[str, dict[str, Any]]] = []
+    current, final = base, None
+    for name in CHANGES:
+        tried = []
+        for alt in _alternatives(name, current):
+            e = attempt({**_merged(groups), **alt})
+            if e is not None:
+                tried.append((alt, e))
+        if not tried:
+            continue
+        alt, current = next((x for x in tried if x[1].fits), tried[-1])  # the mildest that fits, else strongest
+        groups.append((name, alt))
+        if current.fits:
+            final = current
+            break
+    if final is None:
+        return groups, None
+    for group in reversed(groups[:-1]):
+        rest = [x for x in groups if x is not group]
+        e = attempt(_merged(rest))
+        if e is not None and e.fits:
+            groups, final = rest, e
+    return groups, final
+
+
+def recommend(
+    resolve_with: Callable[[dict[str, Any]], Resolved], gpu_gib: float, prompt_tokens: int | None = None
+) -> Recommendation:
+    """Estimate the recipe (`resolve_with(overrides)` resolves it with dotted-key overrides, or raises UserError)
+    and recommend a vLLM share. Offload the recipe asks for is kept (a note says when it looks unneeded); when
+    the recipe does not fit, the first of CHANGES that fits alone, else CHANGES together minus those not needed."""
+
+    def attempt(changes: dict[str, Any]) -> Estimate | None:
+        try:
+            return estimate(resolve_with(changes), gpu_gib, prompt_tokens)
+        except UserError:
+            return None
+
+    base = estimate(resolve_with({}), gpu_gib, prompt_tokens)
+    groups: list[tuple[str, dict[str, Any]]] = []
+    final = base if base.fits else None
+    if final is None:
+        groups, final = _search_changes(base, attempt)
+    notes = []
+    if final is not None and final.resolved.recipe.generation.sleep_level:
+        e = attempt({**_merged(groups), "generation.sleep_level": 0})
+        if e is not None and e.fits:
+            notes.append(
+                f"sleep mode off would also fit (vLLM share {e.chosen:.2f}); it saves the wake, sleep and "
+                "weight push of every step"
+            )
+    for key, field_name, label in (
+        ("distributed.offload_params", "offload_params", "param offload"),
+        ("distributed.offload_optimizer", "offload_optimizer", "optimizer offload"),
+    ):
+        # Offload the recipe asks for is kept (ZeRO-3 estimates run low, see README); only say when it looks
+        # unnecessary, so the user can confirm by measuring.
+        if final is not None and getattr(ZeroLayout.of(final.resolved.deepspeed), field_name):
+            e = attempt({**_merged(groups), key: False})
+            if e is not None and e.fits:
+                notes.append(
+                    f"{label} off would also fit by this estimate (vLLM share {e.chosen:.2f}, peak "
+                    f"{e.peak(e.chosen)[1]:.1f} GiB); "
+                    "ZeRO-3 estimates run low, so confirm on the GPU before dropping it"
+                )
+    changes = _merged(groups)
+    if final is not None and final.kv_budget_gib is None:  # with kv_cache_memory the share is not a setting
+        changes["generation.vllm_gpu_memory_utilization"] = final.chosen
+    return Recommendation(base, final, changes, [name for name, _ in groups], notes)
+
+
+def to_json(rec: Recommendation) -> dict[str, Any]:
+    """The whole result for `--json`: terms (at the recipe's share), phases, window, recommendation."""
+    b, f = rec.base, rec.final
+    return {
+        "model": {"name": b.resolved.recipe.model.name, "params": b.layout.params, "layout": asdict(b.layout)},
+        "gpu_memory_gib": b.gpu_gib,
+        "world_size": b.resolved.world_size,
+        **summary(b),
+        "terms": {k: {p: round(v, 3) for p, v in row.items()} for k, row in b.terms.items()},
+        "notes": b.notes,
+        "recommendation": {
+            "fits": f is not None,
+            "changes": rec.changes,
+            "applied": rec.applied,
+            "notes": rec.notes,
+            **({"estimate": summary(f, f.chosen)} if f else {}),
+        },
+    }

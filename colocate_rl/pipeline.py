@@ -1,0 +1,130 @@
+"""From a recipe argument to a resolved recipe and a launch plan: the steps every verb shares.
+
+    find_recipe → read YAML → layer node keys and overrides (defaults < recipe < Slurm < overrides and node flags)
+    → parse (schema) → bind to the host (cross-field checks) → auto layout (zero_stage / gradient_checkpointing
+    auto) → plan
+
+Overrides travel as a mapping of dotted key → value (`colocate_rl.recipe.load.parse_sets` turns `--set` strings
+into one). Every step raises UserError with one line per problem; nothing here writes a file. Torch-free.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from colocate_rl.errors import UserError
+from colocate_rl.plan.host import Host
+from colocate_rl.plan.launch_plan import LaunchPlan, cache_dir, make_plan
+from colocate_rl.plan.resolve import Resolved, bind_to_host, check_engine
+from colocate_rl.plan.sources import explain_sources, layer_distributed
+from colocate_rl.recipe.load import parse_recipe, read_yaml
+from colocate_rl.recipe.schema import Recipe
+from colocate_rl.recipe.shipped import find_recipe
+from colocate_rl.rundir import default_run_dir
+
+
+def resolve(recipe: Recipe, host: Host) -> Resolved:
+    """Bind `recipe` to `host` and choose the layout for the keys that are auto (the fastest that fits, by the
+    memory estimate); raise one UserError listing every problem."""
+    resolved = bind_to_host(recipe, host)
+    dist, trainer = recipe.distributed, recipe.trainer
+    auto_stage = dist.zero_stage == "auto"
+    if not auto_stage and trainer.gradient_checkpointing != "auto":
+        return resolved
+    from colocate_rl.memory.autolayout import choose_layout
+
+    choice = choose_layout(
+        resolved,
+        min(g.memory_gib for g in host.gpus) if host.gpus else None,
+        valid=lambda config: not check_engine(recipe, config),
+        ram_gib=host.ram_gib,
+    )
+    engine_problems = check_engine(recipe, choice.deepspeed) if auto_stage else []
+    if engine_problems:
+        raise UserError(*engine_problems)
+    return replace(
+        resolved,
+        deepspeed=choice.deepspeed,
+        gradient_checkpointing=choice.gradient_checkpointing,
+        layout_choice=choice,
+    )
+
+
+def load_resolved(
+    recipe: str | Path,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    host: Host,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[Resolved, dict[str, str]]:
+    """The recipe named by `recipe` (a file or a shipped recipe's name) with `overrides` and the node `flags`,
+    resolved for `host` under the Slurm environment `env`. Returns it and where each node key came from."""
+    path = find_recipe(str(recipe))
+    data, sources = layer_distributed(read_yaml(path), overrides or {}, flags or {}, env or {})
+    try:
+        return resolve(parse_recipe(data, str(path)), host), sources
+    except UserError as e:
+        raise UserError(*explain_sources(e.lines, sources))
+
+
+def plan_run(
+    resolved: Resolved,
+    run_dir: Path | None,
+    *,
+    env: Mapping[str, str],
+    now: datetime,
+    cwd: Path,
+    python: str = sys.executable,
+) -> LaunchPlan:
+    """The launch plan of `train`: run dir from `--run-dir`, else the recipe's `output.run_dir`, else
+    runs/<name>-<time> (several nodes: runs/<name>-<rdzv id>, the same on every node); caches under
+    $XDG_CACHE_HOME/colocate-rl."""
+    dist = resolved.recipe.distributed
+    if run_dir is None:
+        explicit = resolved.recipe.output.run_dir
+        run_dir = (
+            Path(explicit)
+            if explicit
+            else default_run_dir(resolved.recipe.name, now, dist.rdzv_id if dist.nnodes > 1 else None)
+        )
+    return make_plan(
+        resolved,
+        run_dir=(cwd / run_dir) if not run_dir.is_absolute() else run_dir,
+        python=python,
+        cwd=cwd,
+        cache_dir=cache_dir(env),
+        base_env=env,
+    )
+
+
+def estimate_host(
+    recipe: str | Path,
+    overrides: Mapping[str, Any],
+    *,
+    gpus: int | None,
+    gpu_memory_gib: float | None,
+    detected: Host,
+) -> tuple[Host, float]:
+    """The host `mem-probe --estimate` plans for and one GPU's memory: `gpus` assumed GPUs, else the detected ones,
+    else (no GPU here) the recipe's ranks per node; the memory given, else the detected GPU's. Fails (UserError)
+    when neither says what to plan for."""
+    from colocate_rl.plan.host import planning_host
+    from colocate_rl.recipe.load import load_recipe
+
+    gib = gpu_memory_gib or (detected.gpus[0].memory_gib if detected.gpus else None)
+    if gib is None:
+        raise UserError("--gpu-memory: no GPU detected here; give the memory of one GPU in GiB, e.g. --gpu-memory 80")
+    if gpus is None and not detected.gpus:  # plan for the recipe's ranks per node
+        gpus = load_recipe(find_recipe(str(recipe)), overrides).distributed.nproc_per_node
+        if gpus == "auto":
+            raise UserError(
+                "--gpus: no GPU detected here and distributed.nproc_per_node is auto; pass --gpus N to "
+                "plan for N GPUs per node"
+            )
+    return planning_host(gpus, gib, detect=lambda: detected), gib

@@ -1,0 +1,45 @@
+"""`launch.json`: what the launcher tells every rank beyond the recipe, as one typed object that crosses the process
+boundary (the plan writes it, `colocate_rl.rank.worker` reads it). Torch-free."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from colocate_rl.errors import UserError
+from colocate_rl.plan.engine_options import EngineOptions
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    model_path: str  # the run dir's built-in model link, or the recipe's model name/path
+    algorithm: str  # grpo or rloo
+    backend: str  # vllm or transformers
+    device: str  # cuda or cpu
+    world_size: int
+    trl_args: dict[str, Any]  # TRL GRPOConfig/RLOOConfig arguments
+    engine: EngineOptions | None  # colocate-rl's vLLM engine; None: TRL's engine or no vLLM
+    recipe_hash: str  # the recipe identity the run dir's files were written for
+
+    def to_json(self) -> str:
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        data["engine"] = self.engine.to_json() if self.engine is not None else None
+        return json.dumps(data, indent=2) + "\n"
+
+    @classmethod
+    def read(cls, path: Path) -> LaunchSpec:
+        """Read a run directory's launch.json. Fails (UserError) when it is missing or not one this version wrote."""
+        try:
+            data = json.loads(Path(path).read_text())
+            engine = data.pop("engine")
+            return cls(**data, engine=EngineOptions.from_json(engine) if engine is not None else None)
+        except OSError as e:
+            raise UserError(
+                f"{path}: cannot read the launch spec ({e.strerror or e}); start the run with `colocate-rl train`"
+            )
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise UserError(
+                f"{path}: not a launch spec of this colocate-rl version ({e}); start a new run with `colocate-rl train`"
+            )

@@ -1,0 +1,229 @@
+"""The run directory: every file name in it, typed paths, the one JSONL reader, and the rules for creating it.
+
+`colocate-rl train` writes the plan's files here, every rank reads them, rank 0 appends `metrics.jsonl` and writes
+`DONE`, each rank writes `timeline/rank<N>.jsonl` and `events.jsonl` records; `report`, `mem-probe` and the
+benchmarks read them back. Layout (several nodes add `nodes/<node_rank>/` for each node's own files):
+
+    recipe.yaml  launch.json  launch.sh  deepspeed.json  model -> built-in model  train.log
+    metrics.jsonl  events.jsonl  timeline/rank<N>.jsonl  final/  DONE
+    nodes/<node_rank>/{launch.sh, recipe-identity.json, train.log, ranks/}
+
+Torch-free. Fails with UserError only when a run directory cannot be used (`check_run_dir_free`, `write_run_dir`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from colocate_rl.errors import UserError
+
+RECIPE = "recipe.yaml"  # the resolved recipe every rank reads
+LAUNCH_SPEC = "launch.json"  # colocate_rl.plan.launch_spec.LaunchSpec
+LAUNCH_SCRIPT = "launch.sh"  # the same launch, runnable by hand
+DEEPSPEED = "deepspeed.json"
+MODEL_LINK = "model"  # link to the built-in model, when model.name is builtin:<layout>
+LOG = "train.log"  # torchrun's combined output of this node
+METRICS = "metrics.jsonl"  # rank 0: one record per logged step
+EVENTS = "events.jsonl"  # every rank: structured events (colocate_rl.telemetry.events)
+TIMELINE_DIR = "timeline"  # timeline/rank<N>.jsonl (colocate_rl.telemetry.timeline)
+FINAL = "final"  # the saved model
+DONE = "DONE"  # rank 0, once the final model is saved
+NODES_DIR = "nodes"  # nodes/<node_rank>/: one node's own files when several nodes share the run dir
+IDENTITY = "recipe-identity.json"  # nodes/<node_rank>/recipe-identity.json
+RANK_LOGS = "ranks"  # nodes/<node_rank>/ranks/: torchrun's per-rank logs
+
+# What other nodes of the same multi-node run may already have put into a shared run directory.
+SHARED_BEFORE_START = {RECIPE, LAUNCH_SPEC, DEEPSPEED, MODEL_LINK, NODES_DIR}
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Typed paths of one run directory."""
+
+    path: Path
+
+    @property
+    def recipe(self) -> Path:
+        return self.path / RECIPE
+
+    @property
+    def launch_spec(self) -> Path:
+        return self.path / LAUNCH_SPEC
+
+    @property
+    def deepspeed(self) -> Path:
+        return self.path / DEEPSPEED
+
+    @property
+    def model(self) -> Path:
+        return self.path / MODEL_LINK
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def events(self) -> Path:
+        return self.path / EVENTS
+
+    @property
+    def timeline_dir(self) -> Path:
+        return self.path / TIMELINE_DIR
+
+    def timeline(self, rank: int) -> Path:
+        return self.timeline_dir / f"rank{rank}.jsonl"
+
+    def timelines(self) -> list[Path]:
+        return sorted(self.timeline_dir.glob("rank*.jsonl"))
+
+    @property
+    def final(self) -> Path:
+        return self.path / FINAL
+
+    @property
+    def done(self) -> Path:
+        return self.path / DONE
+
+    def node_dir(self, node_rank: int | str) -> Path:
+        return self.path / node_dir_name(node_rank)
+
+    def identity(self, node_rank: int | str) -> Path:
+        return self.node_dir(node_rank) / IDENTITY
+
+    def log(self, node_dir: str | None = None) -> Path:
+        """This node's log: `train.log`, or `nodes/<node_rank>/train.log` on several nodes."""
+        return self.path / (node_dir or "") / LOG
+
+
+def node_dir_name(node_rank: int | str) -> str:
+    """`nodes/<node_rank>`, relative to the run directory."""
+    return f"{NODES_DIR}/{node_rank}"
+
+
+def default_run_dir(name: str, now: datetime, rdzv_id: str | None = None) -> Path:
+    """runs/<name>-<date>-<time>; on several nodes runs/<name>-<rdzv_id>, the same on every node (the nodes
+    start at different seconds), e.g. the Slurm job id."""
+    if rdzv_id is not None:
+        return Path("runs") / f"{name}-{re.sub(r'[^A-Za-z0-9._-]', '_', rdzv_id)}"
+    return Path("runs") / f"{name}-{now:%Y%m%d-%H%M%S}"
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a jsonl file ([] when it is missing); malformed lines (a half-written last line while a
+    run is in progress, a line cut off by a crash) and non-objects are skipped, never raised."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of `metrics.jsonl`."""
+    return read_jsonl(RunDir(Path(run_dir)).metrics)
+
+
+def summarize(run_dir: Path) -> dict[str, Any]:
+    """Steps, reward first → last and training wall time from `metrics.jsonl`."""
+    records = [r for r in read_metrics(run_dir) if "reward" in r]
+    if not records:
+        return {"steps": 0}
+    return {
+        "steps": records[-1]["step"],
+        "reward_first": records[0]["reward"],
+        "reward_last": records[-1]["reward"],
+        "train_s": records[-1]["wall_s"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def check_run_dir_free(run_dir: Path, node_dir: str | None = None) -> None:
+    """Fail if `run_dir` holds another run (results of two runs must never mix).
+
+    One node (`node_dir` None): the directory must be missing or empty. Several nodes sharing one directory:
+    the other nodes' files of this run are expected, so it fails only when this node's own `node_dir` exists,
+    the run finished (`DONE`), or it holds anything a starting run does not write (a log, metrics, a model)."""
+    if not run_dir.exists():
+        return
+    fix = "pass another --run-dir (the same on every node, or a local one each) or remove it"
+    if not run_dir.is_dir():
+        raise UserError(f"output.run_dir: '{run_dir}' exists and is not a directory; {fix}")
+    entries = sorted(p.name for p in run_dir.iterdir())
+    if node_dir is None:
+        if entries:
+            raise UserError(
+                f"output.run_dir: '{run_dir}' already exists and is not empty; pass another --run-dir or remove it"
+            )
+        return
+    if DONE in entries:
+        raise UserError(f"output.run_dir: '{run_dir}' holds a finished run ({DONE}); {fix}")
+    if (run_dir / node_dir).exists():
+        raise UserError(
+            f"output.run_dir: '{run_dir}' already has {node_dir}/ (this node rank already started "
+            f"a run there); {fix}, and give each node its own --node-rank"
+        )
+    foreign = [name for name in entries if name not in SHARED_BEFORE_START and not name.startswith(".")]
+    if foreign:
+        raise UserError(f"output.run_dir: '{run_dir}' holds another run ({', '.join(foreign[:3])}); {fix}")
+
+
+def write_shared(path: Path, content: str) -> bool:
+    """Write a file all nodes write with the same bytes: the first writer wins, nothing is overwritten or seen
+    half-written. Returns whether the file now holds `content` (False: another node wrote something else)."""
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(content)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        except OSError:  # a filesystem without hard links
+            if not path.exists():
+                os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path.read_text() == content
+
+
+def write_run_dir(run_dir: Path, files: dict[str, str], node_dir: str | None = None) -> list[str]:
+    """Create the run directory and write `files` (relative name → content) into it. Several nodes: this node's
+    files go to its `node_dir`, created exclusively; the shared ones are written unless present. Returns the shared
+    files that another node wrote differently (the ranks' recipe check then stops the run)."""
+    check_run_dir_free(run_dir, node_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    differ = []
+    if node_dir is not None:
+        try:
+            (run_dir / node_dir).mkdir(parents=True)
+        except FileExistsError:
+            raise UserError(
+                f"output.run_dir: '{run_dir}' already has {node_dir}/ (another node started "
+                "with the same node rank?); give each node its own --node-rank"
+            )
+    for name, content in files.items():
+        path = run_dir / name
+        if node_dir is not None and not name.startswith(node_dir + "/"):
+            if not write_shared(path, content):
+                differ.append(name)
+            continue
+        path.write_text(content)
+        if name.endswith(".sh"):
+            path.chmod(0o755)
+    return differ

@@ -1,0 +1,60 @@
+"""Structured events the ranks report in the run directory's `events.jsonl`, for the launcher, `report`, the probe
+and the benchmarks to read instead of scraping printed text.
+
+One JSON object a line: `{"t": unix time, "rank": global rank, "kind": ..., ...}`, appended with one write per
+event (lines of different ranks do not interleave). Kinds and their fields:
+
+- `user_error`: `lines` — a UserError a rank stopped on (e.g. the nodes run different recipes); exit code 2.
+- `stale_weights`: `message` — vLLM was not generating from the trainer's current weights; exit code 3.
+- `engine_memory`: `awake_gib`, `asleep_gib` (None with sleep level 0), `sleep_level`, `config` — the GPU memory the
+  colocated vLLM engine took at start-up by the driver's count, and the engine settings vLLM built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from colocate_rl.rundir import RunDir, read_jsonl
+
+USER_ERROR = "user_error"
+STALE_WEIGHTS = "stale_weights"
+ENGINE_MEMORY = "engine_memory"
+
+
+def emit(run_dir: Path, kind: str, **fields: Any) -> None:
+    """Append one event; never raises (an event that cannot be written is not worth failing a run for)."""
+    rank = os.environ.get("RANK")
+    record = {
+        "t": round(time.time(), 3),
+        "rank": int(rank) if rank and rank.isdigit() else None,
+        "kind": kind,
+        **fields,
+    }
+    try:
+        fd = os.open(RunDir(Path(run_dir)).events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record, default=str) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def read_events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The run's events (of one kind), in the order they were written."""
+    return [e for e in read_jsonl(RunDir(Path(run_dir)).events) if kind is None or e.get("kind") == kind]
+
+
+def user_errors(run_dir: Path) -> list[str]:
+    """The error lines the ranks stopped on (user errors and stale weights), each once, in order."""
+    lines: list[str] = []
+    for event in read_events(run_dir):
+        if event.get("kind") == USER_ERROR:
+            lines += [str(line) for line in event.get("lines") or []]
+        elif event.get("kind") == STALE_WEIGHTS:
+            lines.append(str(event.get("message", "")))
+    return list(dict.fromkeys(line for line in lines if line))
