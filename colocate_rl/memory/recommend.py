@@ -139,8 +139,8 @@ def recommend(
         ("distributed.offload_params", "offload_params", "param offload"),
         ("distributed.offload_optimizer", "offload_optimizer", "optimizer offload"),
     ):
-        # Offload the recipe asks for is kept (ZeRO-3 estimates run low, see README); only say when it looks
-        # unnecessary, so the user can confirm by measuring.
+        # Offload the recipe asks for is kept (ZeRO-3 estimates run low, see docs/benchmarks/README.md); only say
+        # when it looks unnecessary, so the user can confirm by measuring.
         if final is not None and getattr(ZeroLayout.of(final.resolved.deepspeed), field_name):
             e = attempt({**_merged(groups), key: False})
             if e is not None and e.fits:
