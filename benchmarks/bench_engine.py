@@ -3,7 +3,7 @@
 
 Every row is one `colocate-rl train` run (same recipe and seed; only generation.engine / sleep_level differ).
 Figures come from the run's metrics.jsonl (telemetry) over the steps after the first (warm-up), and from the
-engine's start-up line in train.log (vLLM's GPU memory awake and asleep, driver's count):
+engine's start-up event in events.jsonl (vLLM's GPU memory awake and asleep, driver's count, rank 0):
 
     python benchmarks/bench_engine.py --out bench/ --rows 1gpu --device 0
     python benchmarks/bench_engine.py --out bench/ --rows 2gpu --device 0,1
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import statistics
 import subprocess
@@ -65,7 +64,6 @@ ROWS = {  # name: (GPUs, recipe, --set overrides)
         ["generation.engine=colocate-rl", "generation.sleep_level=0"],
     ),
 }
-ENGINE_LINE = re.compile(r"vLLM awake ([0-9.]+) GiB(?:, asleep \(level \d\) ([0-9.]+) GiB)?")
 
 
 def command(name: str, out: Path, steps: int) -> list[str]:
@@ -120,15 +118,15 @@ def figures(name: str, run_dir: Path, code: int, wall: float, cmd: str) -> dict:
             row[key] = median_after_first(steps, key)
         row["sleep_wake_s"] = round((row["time/wake_s"] or 0) + (row["time/sleep_s"] or 0), 4)
         row["mem/gpu_peak_gib_max"] = max((r.get("mem/gpu_peak_gib") or 0) for r in steps)
+    from colocate_rl.telemetry import events
+
+    memory = events.read_events(run_dir, events.ENGINE_MEMORY)  # TRL's engine reports none
+    if memory:
+        first = min(memory, key=lambda e: e.get("rank") or 0)
+        row["vllm_awake_gib"], row["vllm_asleep_gib"] = first["awake_gib"], first["asleep_gib"]
     log = run_dir / "train.log"
-    if log.exists():
-        text = log.read_text(errors="replace")
-        found = ENGINE_LINE.findall(text)
-        if found:
-            row["vllm_awake_gib"] = float(found[0][0])
-            row["vllm_asleep_gib"] = float(found[0][1]) if found[0][1] else None
-        if code:
-            row["log_tail"] = text[-1500:]
+    if code and log.exists():
+        row["log_tail"] = log.read_text(errors="replace")[-1500:]
     return row
 
 

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -150,32 +149,20 @@ def shown(argv: list[str], env: dict[str, str]) -> str:
 
 
 def run(argv: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
-    """Run to the end or the timeout (then the whole process group is stopped); 124 on timeout."""
-    with log.open("w") as f:
-        proc = subprocess.Popen(
-            argv, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
-        )
-        try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop(proc)
-            return 124
+    """Run to the end or the timeout (then the whole process tree is ended); 124 on timeout."""
+    from colocate_rl.launch.supervise import run_supervised
+
+    log.unlink(missing_ok=True)
+    outcome = run_supervised(argv, {**os.environ, **env}, log, timeout_s=timeout, cwd=ROOT)
+    return 124 if outcome.timed_out else outcome.returncode
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Stop a process started here and its children (its own session), politely first."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """End a process started here and every process it started, politely first."""
+    from colocate_rl.launch.supervise import end_tree
+
+    if proc.poll() is None:
+        end_tree(proc, {}, grace_s=30)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:

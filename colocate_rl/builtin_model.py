@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 from colocate_rl.errors import UserError
-from colocate_rl.memory.shapes import layout_for
 
+PREFIX = "builtin:"  # model.name of a built-in model: builtin:<layout>
 MARKER = "colocate_rl_build.json"
 _FORMAT = 1  # bump when the files written change, so old builds are rebuilt
 DTYPES = ("float32", "bfloat16", "float16")
@@ -98,9 +98,26 @@ LAYOUTS: dict[str, dict] = {
 }
 
 
+def _unknown(layout: str) -> UserError:
+    return UserError(
+        f"model.name: unknown built-in layout '{layout}'; choose one of: " + ", ".join(f"{PREFIX}{k}" for k in LAYOUTS)
+    )
+
+
+def builtin_layout(model_name: str) -> str | None:
+    """The layout of a `builtin:<layout>` model name; None for any other model name. Fails (UserError) on an
+    unknown layout."""
+    if not model_name.startswith(PREFIX):
+        return None
+    layout = model_name.removeprefix(PREFIX)
+    if layout not in LAYOUTS:
+        raise _unknown(layout)
+    return layout
+
+
 def _layout(layout: str) -> dict:
     if layout not in LAYOUTS:
-        raise UserError(f"model.name: unknown built-in layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
+        raise _unknown(layout)
     return LAYOUTS[layout]
 
 
@@ -181,8 +198,9 @@ def _train_tokenizer(out_dir: Path, model_max_length: int) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def _write(out_dir: Path, layout: str, seed: int, dtype: str) -> None:
-    """Write tokenizer, config, generation config and safetensors weights into out_dir."""
+def _write(out_dir: Path, layout: str, seed: int, dtype: str) -> int:
+    """Write tokenizer, config, generation config and safetensors weights into out_dir; returns the parameter
+    count."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
@@ -197,7 +215,9 @@ def _write(out_dir: Path, layout: str, seed: int, dtype: str) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=ids[EOS], pad_token_id=ids[PAD])
     model.save_pretrained(str(out_dir), max_shard_size="2GB")  # small shards bound the extra RAM while saving
+    params = sum(p.numel() for p in model.parameters())
     del model
+    return params
 
 
 def _is_built(out: Path, want: dict) -> bool:
@@ -235,8 +255,7 @@ def build_model(layout: str, out_dir: str | Path, *, seed: int = 0, dtype: str =
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     old = None
     try:
-        _write(tmp, layout, seed, dtype)
-        params = layout_for(f"builtin:{layout}").params
+        params = _write(tmp, layout, seed, dtype)
         (tmp / MARKER).write_text(json.dumps(dict(want, params=params), indent=2) + "\n")  # last
         try:
             os.rename(tmp, out)  # replaces a missing or empty out_dir

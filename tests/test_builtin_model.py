@@ -145,7 +145,9 @@ def test_chat_template(tiny):
 
 
 def test_unknown_layout_and_dtype(tmp_path):
-    with pytest.raises(UserError, match=r"model.name: unknown built-in layout 'x'; choose one of: tiny, qwen2.5-0.5b"):
+    with pytest.raises(
+        UserError, match=r"model.name: unknown built-in layout 'x'; choose one of: builtin:tiny, builtin:qwen2.5-0.5b"
+    ):
         bm.build_model("x", tmp_path / "m")
     with pytest.raises(UserError, match="unknown built-in layout"):
         layout_for("builtin:qwen9")
@@ -178,7 +180,7 @@ def test_subprocess_build_leaves_torch_out_of_the_caller(tmp_path, tiny):
 
 
 def test_subprocess_build_reports_the_childs_user_error(tmp_path):
-    with pytest.raises(UserError, match=r"^model.name: unknown built-in layout 'x'; choose one of: tiny"):
+    with pytest.raises(UserError, match=r"^model.name: unknown built-in layout 'x'; choose one of: builtin:tiny"):
         bm.build_model_in_subprocess("x", tmp_path / "m")
     with pytest.raises(UserError, match="dtype"):
         bm.build_model_in_subprocess("tiny", tmp_path / "m", dtype="int8")

@@ -9,7 +9,6 @@ the step peak, from the driver's view) in `gpu_runs.jsonl`.
 import importlib.util
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -17,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from colocate_rl.launch.execute import read_metrics
+from colocate_rl.rundir import read_metrics
+from colocate_rl.telemetry import events
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -165,7 +165,8 @@ def test_engine_options_reach_vllm(tmp_path):
         "generation.max_num_seqs=96",
     )
     assert code == 0, text[-6000:]
-    built = json.loads(re.search(r"rank 0: vLLM config (\{.*\})", text).group(1))  # read back from vLLM's config
+    [memory] = [e for e in events.read_events(tmp_path / "opts", events.ENGINE_MEMORY) if e["rank"] == 0]
+    built = memory["config"]  # read back from vLLM's config
     print(json.dumps(built))
     assert built["enforce_eager"] is True and built["enable_prefix_caching"] is False
     assert built["kv_cache_memory_bytes"] == 4 * 2**30 and built["enable_sleep_mode"] is True
@@ -190,7 +191,9 @@ def test_engine_cycle_per_sleep_level(tmp_path, level):
     for record in steps:  # every step woke, pushed, checked and slept
         for phase in ("wake", "sleep", "weight_sync", "weight_check", "generate"):
             assert record.get(f"time/{phase}_s", 0) > 0, (phase, record)
-    awake, asleep = map(float, re.search(r"vLLM awake ([0-9.]+) GiB, asleep \(level \d\) ([0-9.]+) GiB", text).groups())
+    [memory] = events.read_events(run, events.ENGINE_MEMORY)  # one rank
+    awake, asleep = memory["awake_gib"], memory["asleep_gib"]
+    assert memory["sleep_level"] == level
     print(
         json.dumps(
             {

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from colocate_rl.builtin_model import LAYOUTS, builtin_layout
 from colocate_rl.errors import UserError
 
 
@@ -93,15 +94,9 @@ def layout_from_config(cfg: dict[str, Any], source: str) -> Layout:
 
 def layout_for(name: str) -> Layout:
     """`builtin:<layout>`, a local model directory (its config.json) or a hub id of HUB_LAYOUTS."""
-    if name.startswith("builtin:"):
-        from colocate_rl.builtin_model import LAYOUTS
-
-        if name.removeprefix("builtin:") not in LAYOUTS:
-            raise UserError(
-                f"model.name: unknown built-in layout '{name}'; choose one of: "
-                + ", ".join(f"builtin:{k}" for k in LAYOUTS)
-            )
-        return layout_from_config(dict(LAYOUTS[name.removeprefix("builtin:")], model_type="qwen2"), name)
+    layout = builtin_layout(name)
+    if layout is not None:
+        return layout_from_config(dict(LAYOUTS[layout], model_type="qwen2"), name)
     config = Path(name).expanduser() / "config.json"
     if config.is_file():
         try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from colocate_rl.builtin_model import builtin_layout
 from colocate_rl.errors import UserError, did_you_mean
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deepspeed_config
 from colocate_rl.plan.engine_options import ENGINE_ONLY_KEYS
@@ -65,15 +66,11 @@ def _check_extra_args(recipe: Recipe) -> list[str]:
 
 def _check_model(recipe: Recipe) -> tuple[str | None, list[str]]:
     name = recipe.model.name
-    if name.startswith("builtin:"):
-        from colocate_rl.builtin_model import LAYOUTS
-
-        layout = name.removeprefix("builtin:")
-        if layout not in LAYOUTS:
-            return None, [
-                f"model.name: unknown built-in layout '{layout}'; choose one of: "
-                + ", ".join(f"builtin:{k}" for k in LAYOUTS)
-            ]
+    try:
+        layout = builtin_layout(name)
+    except UserError as e:
+        return None, e.lines
+    if layout is not None:
         return layout, []
     path = Path(name).expanduser()
     looks_local = name.startswith((".", "/", "~")) or path.exists()

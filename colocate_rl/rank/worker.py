@@ -90,6 +90,7 @@ def load_tokenizer(model_path: str, builtin: bool):
 
 def build_trainer(run_dir: Path):
     """Construct the TRL trainer for this rank from the run directory's files."""
+    from colocate_rl.builtin_model import builtin_layout
     from colocate_rl.rank.same_recipe import check_same_recipe
     from colocate_rl.rank.telemetry import Telemetry
     from colocate_rl.recipe.load import load_recipe
@@ -110,7 +111,7 @@ def build_trainer(run_dir: Path):
         seed=recipe.trainer.seed,
     )
     rewards = [resolve_reward(r.name, key=f"rewards[{i}].name") for i, r in enumerate(recipe.rewards)]
-    tokenizer = load_tokenizer(launch.model_path, recipe.model.name.startswith("builtin:"))
+    tokenizer = load_tokenizer(launch.model_path, builtin_layout(recipe.model.name) is not None)
     telemetry = Telemetry(run_dir)
     callback = make_metrics_callback(paths.metrics, telemetry)
 
