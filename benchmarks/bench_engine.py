@@ -118,13 +118,14 @@ def figures(name: str, run_dir: Path, code: int, wall: float, cmd: str) -> dict:
             row[key] = median_after_first(steps, key)
         row["sleep_wake_s"] = round((row["time/wake_s"] or 0) + (row["time/sleep_s"] or 0), 4)
         row["mem/gpu_peak_gib_max"] = max((r.get("mem/gpu_peak_gib") or 0) for r in steps)
+    from colocate_rl.rundir import RunDir
     from colocate_rl.telemetry import events
 
     memory = events.read_events(run_dir, events.ENGINE_MEMORY)  # TRL's engine reports none
     if memory:
         first = min(memory, key=lambda e: e.get("rank") or 0)
         row["vllm_awake_gib"], row["vllm_asleep_gib"] = first["awake_gib"], first["asleep_gib"]
-    log = run_dir / "train.log"
+    log = RunDir(run_dir).log()
     if code and log.exists():
         row["log_tail"] = log.read_text(errors="replace")[-1500:]
     return row

@@ -200,29 +200,29 @@ def step_stats(run_dir: Path) -> dict:
 
 
 def layout_of(run_dir: Path) -> str:
-    """The layout a colocated run used, from its run directory (what auto chose)."""
+    """The layout a colocated run used, from its run directory (what auto chose), labelled as auto labels it."""
+    from colocate_rl.errors import UserError
+    from colocate_rl.memory.autolayout import Candidate
+    from colocate_rl.plan.launch_spec import LaunchSpec
+    from colocate_rl.rundir import RunDir
+
+    paths = RunDir(run_dir)
     try:
-        args = json.loads((run_dir / "launch.json").read_text())["trl_args"]
-    except (OSError, ValueError, KeyError):
+        spec = LaunchSpec.read(paths.launch_spec)
+        config = json.loads(paths.deepspeed.read_text()) if paths.deepspeed.exists() else None
+    except (UserError, OSError, ValueError):
         return "?"
-    ds = run_dir / "deepspeed.json"
-    if ds.exists():
-        zero = json.loads(ds.read_text()).get("zero_optimization", {})
-        name = f"ZeRO-{zero.get('stage', 0)}" + "".join(
-            f" + offload {k}"
-            for k, key in (("optimizer", "offload_optimizer"), ("params", "offload_param"))
-            if (zero.get(key) or {}).get("device", "none") != "none"
-        )
-    else:
-        name = "DDP"
-    return name + (", checkpointing" if args.get("gradient_checkpointing") else "")
+    return Candidate.of(config, bool(spec.trl_args.get("gradient_checkpointing"))).label
 
 
 def model_dir(out: Path, dry_run: bool) -> Path:
     """A built 1.5B layout: an earlier row's run-dir model (built by `colocate-rl train`), else built here."""
+    from colocate_rl.rundir import RunDir
+
     for row in ROWS:
-        if (out / "runs" / row / "model" / "config.json").exists():
-            return out / "runs" / row / "model"
+        model = RunDir(out / "runs" / row).model
+        if (model / "config.json").exists():
+            return model
     path = out / "model"
     if not dry_run and not (path / "config.json").exists():
         from colocate_rl.builtin_model import build_model_in_subprocess  # this process must stay off GPU 0

@@ -313,12 +313,36 @@ def _measure(
             f"does not bisect on ({e.trial.outcome}: {e.trial.detail}); its run directory is "
             f"{e.trial.run_dir}; fix that and probe again"
         )
+    result = measured.result
+    _print_measurement(measured, find_recipe(recipe), gib, steps, margin, json_out)
+    if result.recommended is None:
+        raise UserError(
+            "mem-probe: no vLLM share in the window completed the steps ("
+            + "; ".join(result.notes)
+            + f"); see the trials in {plan.probe_dir}"
+            + ("; nothing written" if write else "")
+        )
+    if write is not None:
+        write_recipe_copy(
+            write,
+            find_recipe(recipe),
+            {**overrides, **plan.pinned, "generation.vllm_gpu_memory_utilization": result.recommended},
+            f"{recipe} with generation.vllm_gpu_memory_utilization {result.recommended:g} measured by "
+            f"`colocate-rl mem-probe` (largest passing {result.largest:g} − margin {margin:g})"
+            + (f" and the layout the trials ran ({choice.chosen.label})" if plan.pinned else ""),
+        )
+        out.print(f"wrote {write}", highlight=False)
+
+
+def _print_measurement(measured, recipe_path: Path, gib: float, steps: int, margin: float, json_out: bool) -> None:
+    """The probe's result: one JSON object, or the trials, measured vs estimated peaks and the recommendation."""
+    plan = measured.plan
     result, best = measured.result, measured.result.best_trial()
     if json_out:
         print(
             json.dumps(
                 {
-                    "recipe": str(find_recipe(recipe)),
+                    "recipe": str(recipe_path),
                     "gpu_memory_gib": gib,
                     "steps": steps,
                     "probe_dir": str(plan.probe_dir),
@@ -350,20 +374,3 @@ def _measure(
                 markup=False,
                 soft_wrap=True,
             )
-    if result.recommended is None:
-        raise UserError(
-            "mem-probe: no vLLM share in the window completed the steps ("
-            + "; ".join(result.notes)
-            + f"); see the trials in {plan.probe_dir}"
-            + ("; nothing written" if write else "")
-        )
-    if write is not None:
-        write_recipe_copy(
-            write,
-            find_recipe(recipe),
-            {**overrides, **plan.pinned, "generation.vllm_gpu_memory_utilization": result.recommended},
-            f"{recipe} with generation.vllm_gpu_memory_utilization {result.recommended:g} measured by "
-            f"`colocate-rl mem-probe` (largest passing {result.largest:g} − margin {margin:g})"
-            + (f" and the layout the trials ran ({choice.chosen.label})" if plan.pinned else ""),
-        )
-        out.print(f"wrote {write}", highlight=False)

@@ -149,53 +149,57 @@ def check_engine(recipe: Recipe, deepspeed: dict[str, Any] | None) -> list[str]:
     return problems
 
 
-def bind_to_host(recipe: Recipe, host: Host) -> Resolved:
-    """Bind `recipe` to `host`; raise one UserError listing every cross-field problem. `zero_stage` and
-    `gradient_checkpointing` auto are left to `colocate_rl.pipeline.resolve` (the DeepSpeed JSON is built at ZeRO-3,
-    where every setting applies, and the engine checks wait for the layout chosen)."""
-    problems: list[str] = []
-    dist, gen, trainer = recipe.distributed, recipe.generation, recipe.trainer
-    has_gpu = host.gpu_count > 0
-
+def _ranks(recipe: Recipe, host: Host) -> tuple[int, list[str]]:
+    dist = recipe.distributed
     if dist.nproc_per_node == "auto":
-        nproc = host.gpu_count if has_gpu else 2
-    else:
-        nproc = dist.nproc_per_node
-        if has_gpu and nproc > host.gpu_count:
-            problems.append(
-                f"distributed.nproc_per_node: {nproc} ranks but this machine has {host.gpu_count} GPU(s); "
-                "use auto or at most the GPU count"
-            )
+        return (host.gpu_count if host.gpu_count else 2), []
+    nproc = dist.nproc_per_node
+    if host.gpu_count and nproc > host.gpu_count:
+        return nproc, [
+            f"distributed.nproc_per_node: {nproc} ranks but this machine has {host.gpu_count} GPU(s); "
+            "use auto or at most the GPU count"
+        ]
+    return nproc, []
 
-    backend = gen.backend
+
+def _backend(recipe: Recipe, host: Host) -> tuple[str, list[str]]:
+    backend, has_gpu = recipe.generation.backend, host.gpu_count > 0
     if backend == "auto":
-        backend = "vllm" if has_gpu and host.has_vllm else "transformers"
-    elif backend == "vllm" and not host.has_vllm:
-        problems.append(
+        return ("vllm" if has_gpu and host.has_vllm else "transformers"), []
+    if backend == "vllm" and not host.has_vllm:
+        return backend, [
             "generation.backend: 'vllm' but vLLM is not installed here; install the GPU extra "
             "(pip install 'colocate-rl[gpu]') or set generation.backend: transformers (or auto)"
-        )
-    elif backend == "vllm" and not has_gpu:
-        problems.append(
+        ]
+    if backend == "vllm" and not has_gpu:
+        return backend, [
             "generation.backend: 'vllm' needs a CUDA GPU and none was found; "
             "set generation.backend: auto to generate with transformers on CPU"
-        )
+        ]
+    return backend, []
 
-    precision = dist.mixed_precision
+
+def _precision(recipe: Recipe, host: Host) -> tuple[str, str, list[str]]:
+    """(trainer precision, model dtype, problems)."""
+    precision, problems = recipe.distributed.mixed_precision, []
     if precision == "auto":
-        precision = "bf16" if has_gpu else "no"
-    elif precision == "fp16" and not has_gpu:
+        precision = "bf16" if host.gpu_count else "no"
+    elif precision == "fp16" and not host.gpu_count:
         problems.append("distributed.mixed_precision: fp16 needs a GPU; use auto or no on CPU")
     model_dtype = recipe.model.dtype
     if model_dtype == "auto":
         model_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
+    return precision, model_dtype, problems
 
+
+def _check_batch(recipe: Recipe, nproc: int) -> list[str]:
+    """Tensor-parallel groups, generation batch vs num_generations, context length."""
+    dist, gen, trainer, problems = recipe.distributed, recipe.generation, recipe.trainer, []
     if nproc % gen.tensor_parallel_size:
         problems.append(
             f"generation.tensor_parallel_size: {gen.tensor_parallel_size} does not divide "
             f"distributed.nproc_per_node ({nproc}); tensor-parallel groups must stay inside one node"
         )
-
     world = dist.nnodes * nproc
     extra = trainer.extra_args
     if "generation_batch_size" in extra:
@@ -214,7 +218,11 @@ def bind_to_host(recipe: Recipe, host: Host) -> Resolved:
             f"generation.max_model_length: {gen.max_model_length} leaves no room for the prompt; "
             f"make it larger than trainer.max_completion_length ({trainer.max_completion_length})"
         )
+    return problems
 
+
+def _check_nodes(recipe: Recipe) -> list[str]:
+    dist, problems = recipe.distributed, []
     if dist.nnodes > 1 and not dist.rdzv_endpoint:
         problems.append("distributed.rdzv_endpoint: required when nnodes > 1; set it to host:port of node 0")
     if dist.rdzv_endpoint is not None:
@@ -226,44 +234,61 @@ def bind_to_host(recipe: Recipe, host: Host) -> Resolved:
             )
     if dist.node_rank >= dist.nnodes:
         problems.append(f"distributed.node_rank: {dist.node_rank} must be below nnodes ({dist.nnodes})")
+    return problems
 
-    deepspeed = None
+
+def _deepspeed(recipe: Recipe, precision: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """The run's DeepSpeed JSON (None without DeepSpeed). `zero_stage: auto` builds it at ZeRO-3, where every
+    setting applies; the auto layout picks the stage later."""
+    dist = recipe.distributed
     auto_stage = dist.zero_stage == "auto"
     if dist.deepspeed is None and not auto_stage:
-        for key in ("zero_stage", "offload_optimizer", "offload_params"):
-            if getattr(dist, key) is not None:
-                problems.append(f"distributed.{key}: needs a DeepSpeed config; set distributed.deepspeed: zero3")
+        problems = [
+            f"distributed.{key}: needs a DeepSpeed config; set distributed.deepspeed: zero3"
+            for key in ("zero_stage", "offload_optimizer", "offload_params")
+            if getattr(dist, key) is not None
+        ]
         if dist.deepspeed_overrides:
             problems.append("distributed.deepspeed_overrides: needs a DeepSpeed config; set distributed.deepspeed")
-    else:
-        try:  # auto: checked at stage 3, where every setting applies; the auto layout picks the stage later
-            deepspeed = build_deepspeed_config(
-                dist.deepspeed or AUTO_BASE_CONFIG,
-                precision=precision,
-                zero_stage=3 if auto_stage else dist.zero_stage,
-                offload_optimizer=dist.offload_optimizer,
-                offload_params=dist.offload_params,
-                overrides=dist.deepspeed_overrides,
-            )
-        except UserError as e:
-            problems.extend(e.lines)
+        return None, problems
+    try:
+        return build_deepspeed_config(
+            dist.deepspeed or AUTO_BASE_CONFIG,
+            precision=precision,
+            zero_stage=3 if auto_stage else dist.zero_stage,
+            offload_optimizer=dist.offload_optimizer,
+            offload_params=dist.offload_params,
+            overrides=dist.deepspeed_overrides,
+        ), []
+    except UserError as e:
+        return None, e.lines
 
+
+def bind_to_host(recipe: Recipe, host: Host) -> Resolved:
+    """Bind `recipe` to `host`; raise one UserError listing every cross-field problem. `zero_stage` and
+    `gradient_checkpointing` auto are left to `colocate_rl.pipeline.resolve` (the engine checks then wait for the
+    layout chosen)."""
+    nproc, problems = _ranks(recipe, host)
+    backend, backend_problems = _backend(recipe, host)
+    precision, model_dtype, precision_problems = _precision(recipe, host)
+    deepspeed, deepspeed_problems = _deepspeed(recipe, precision)
     layout, model_problems = _check_model(recipe)
-    problems += model_problems + _check_data(recipe) + _check_rewards(recipe) + _check_extra_args(recipe)
-    # zero_stage auto: the engine's layout constraints filter the candidates instead (checked on the choice below)
-    problems += [] if auto_stage else check_engine(recipe, deepspeed)
+    problems += backend_problems + precision_problems + _check_batch(recipe, nproc) + _check_nodes(recipe)
+    problems += deepspeed_problems + model_problems + _check_data(recipe) + _check_rewards(recipe)
+    problems += _check_extra_args(recipe)
+    if recipe.distributed.zero_stage != "auto":  # auto: the engine's constraints filter the layout candidates
+        problems += check_engine(recipe, deepspeed)
     if problems:
         raise UserError(*problems)
-    resolved = Resolved(
+    return Resolved(
         recipe=recipe,
         host=host,
         nproc_per_node=nproc,
-        device="cuda" if has_gpu else "cpu",
+        device="cuda" if host.gpu_count else "cpu",
         backend=backend,
         precision=precision,
         model_dtype=model_dtype,
         deepspeed=deepspeed,
         builtin_layout=layout,
-        gradient_checkpointing=trainer.gradient_checkpointing is True,
+        gradient_checkpointing=recipe.trainer.gradient_checkpointing is True,
     )
-    return resolved

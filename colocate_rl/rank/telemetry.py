@@ -18,6 +18,7 @@ import json
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,24 @@ from typing import Any
 from colocate_rl.rundir import RunDir
 
 GIB = 2**30
+
+# What `instrument` wraps, method name → phase name. Most are TRL's private methods, looked up by name and skipped
+# when absent, so tests/test_recipe.py::test_trl_private_hooks_exist checks them against the installed TRL.
+TRAINER_PHASES = {  # on GRPOTrainer and RLOOTrainer
+    "training_step": "train",
+    "_generate_and_score_completions": "prepare",
+    "_generate_single_turn": "generate",
+    "_calculate_rewards": "reward",
+}
+ENGINE_ATTR = "vllm_generation"  # the trainer's vLLM engine (TRL's VLLMGeneration or colocate-rl's ColocatedEngine)
+ENGINE_PHASES = {
+    "sync_weights": "weight_sync",  # TRL's VLLMGeneration (and so colocate-rl's engine)
+    "check_weights": "weight_check",  # colocate-rl's engine (colocate_rl/rank/vllm_engine.py) only
+    "_offload_trainer": "offload",  # colocate-rl's engine only
+    "_reload_trainer": "reload",  # colocate-rl's engine only
+}
+LLM_ATTR = "llm"  # the engine's vllm.LLM, in colocate mode only
+LLM_PHASES = {"wake_up": "wake", "sleep": "sleep"}  # vllm.LLM's public methods
 
 
 def _nvml_handle(device_index: int):
@@ -46,10 +65,11 @@ def _nvml_handle(device_index: int):
 
 
 class Telemetry:
-    """Phase timer, memory reader and timeline writer of one rank."""
+    """Phase timer, memory reader and timeline writer of one rank. `clock` times the phases (seconds; tests pass
+    their own)."""
 
-    def __init__(self, run_dir: Path, interval_s: float = 0.1):
-        self.run_dir, self.interval_s = Path(run_dir), interval_s
+    def __init__(self, run_dir: Path, interval_s: float = 0.1, clock: Callable[[], float] = time.perf_counter):
+        self.run_dir, self.interval_s, self.clock = Path(run_dir), interval_s, clock
         self.cuda = False
         self.handle = None
         self._process = None  # psutil.Process, made on first CPU read
@@ -58,7 +78,7 @@ class Telemetry:
         self._file = None
         self._stop = threading.Event()
         self._stack: list[str] = []
-        self._mark = time.perf_counter()
+        self._mark = self.clock()
         self._step_start = self._mark
         self._exclusive: dict[str, float] = defaultdict(float)
         self._phase_end_mem: dict[str, float] = {}
@@ -107,7 +127,7 @@ class Telemetry:
             import torch
 
             torch.cuda.synchronize()
-        now = time.perf_counter()
+        now = self.clock()
         self._exclusive[self._stack[-1] if self._stack else "other"] += now - self._mark
         self._mark = now
         return now
@@ -118,7 +138,7 @@ class Telemetry:
         start = self._boundary()
         self._stack.append(name)
         self._record(phase=name, edge="start")
-        self._overhead += time.perf_counter() - start
+        self._overhead += self.clock() - start
         try:
             yield
         finally:
@@ -131,7 +151,7 @@ class Telemetry:
                 import torch
 
                 self._phase_end_torch[name] = torch.cuda.memory_allocated() / GIB
-            self._overhead += time.perf_counter() - end
+            self._overhead += self.clock() - end
 
     def wrap(self, obj: Any, attr: str, name: str) -> None:
         """Replace `obj.attr` (a method) by a version timed as phase `name`; absent attributes are skipped."""
@@ -160,24 +180,16 @@ class Telemetry:
         self._file = path.open("w")
         device = f"cuda:{torch.cuda.current_device()}" if self.cuda else "cpu"
         self._file.write(json.dumps({"rank": rank, "device": device, "unit": "GiB", "t0": self.t0}) + "\n")
-        for attr, name in (
-            ("training_step", "train"),
-            ("_generate_and_score_completions", "prepare"),
-            ("_generate_single_turn", "generate"),
-            ("_calculate_rewards", "reward"),
-        ):
+        for attr, name in TRAINER_PHASES.items():
             self.wrap(trainer, attr, name)
-        engine = getattr(trainer, "vllm_generation", None)
+        engine = getattr(trainer, ENGINE_ATTR, None)
         if engine is not None:
-            self.wrap(engine, "sync_weights", "weight_sync")
-            # colocate-rl's engine (colocate_rl/engine.py); absent on TRL's
-            self.wrap(engine, "check_weights", "weight_check")
-            self.wrap(engine, "_offload_trainer", "offload")
-            self.wrap(engine, "_reload_trainer", "reload")
-            llm = getattr(engine, "llm", None)  # colocate mode only
+            for attr, name in ENGINE_PHASES.items():  # the colocate-rl-only ones are absent on TRL's engine
+                self.wrap(engine, attr, name)
+            llm = getattr(engine, LLM_ATTR, None)  # colocate mode only
             if llm is not None:
-                self.wrap(llm, "wake_up", "wake")
-                self.wrap(llm, "sleep", "sleep")
+                for attr, name in LLM_PHASES.items():
+                    self.wrap(llm, attr, name)
         threading.Thread(target=self._sample, daemon=True).start()
 
     def instrument_optimizer(self, trainer) -> None:
@@ -195,7 +207,7 @@ class Telemetry:
     def step_end(self, step: int) -> dict[str, Any]:
         """Close the step: its phase seconds, memory at step end / peak; the timeline is flushed."""
         now = self._boundary()
-        begin = time.perf_counter()
+        begin = self.clock()
         mem = self._record(step_end=step)
         metrics: dict[str, Any] = {"time/step_s": round(now - self._step_start, 4)}
         metrics.update({f"time/{k}_s": round(v, 4) for k, v in self._exclusive.items()})
@@ -218,7 +230,7 @@ class Telemetry:
             lines, self._lines = self._lines, []
             self._file.write("\n".join(lines) + "\n")
             self._file.flush()
-        self._overhead += time.perf_counter() - begin
+        self._overhead += self.clock() - begin
         metrics["telemetry/overhead_s"] = round(self._overhead, 5)
         self._overhead = 0.0
         return {k: v for k, v in metrics.items() if v is not None}
