@@ -248,6 +248,8 @@ def test_stale_weights_stop_the_run(tmp_path):
     assert code != 0
     assert "vLLM is not generating from the trainer's current weights" in text, text[-6000:]
     assert "model.layers.23.mlp.down_proj.weight differs" in text
+    [stale] = events.read_events(tmp_path / "stale", events.STALE_WEIGHTS)  # one rank
+    assert "vLLM is not generating from the trainer's current weights" in stale["message"]
 
 
 def test_trainer_offload_lets_a_larger_kv_cache_fit(tmp_path):
