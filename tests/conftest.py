@@ -1,11 +1,114 @@
-"""Helpers shared by the CLI-level tests."""
+"""Helpers shared by the tests: the CLI as a subprocess, fixed hosts, recipe resolution, test-local recipes.
+
+Tests are hermetic: they plan for a `Host` given here (or `--gpus N` / no visible GPU on the command line), never for
+the machine they run on, except `test_cli.py::test_this_machine_smoke`."""
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from colocate_rl.pipeline import resolve
+from colocate_rl.plan.host import Gpu, Host
+from colocate_rl.plan.resolve import Resolved
+from colocate_rl.recipe.load import apply_overrides, parse_recipe, parse_sets, read_yaml
+from colocate_rl.recipe.shipped import find_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+H200_GIB = 143_771 / 1024  # GiB, as NVML (and torch) report an H200: 143,771 MiB
+
+CPU = Host(gpus=(), has_vllm=False, cpu_count=2)  # a CPU-only machine: 2 CPU ranks, transformers generation
+GPU8 = Host(gpus=(Gpu("H200", 140.0),) * 8, has_vllm=True, cpu_count=128)  # one 8-GPU node with vLLM
+
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # a CLI subprocess sees no GPU, whatever this machine has
 
 
-def assert_user_error(result, *fragments):
-    """A bad-input exit: code 2, only `error: ` lines on stderr, no traceback, each fragment present."""
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without Slurm or launcher variables (a test run inside a Slurm job must not plan
+    a multi-node run), 200 columns for rich's tables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "COLOCATE_RL_", "MASTER_"))}
+    return {**env, "COLUMNS": "200", **extra}
+
+
+def cli(*args, cwd: Path = ROOT, env: dict | None = None, timeout: float = 120, this_machine: bool = False):
+    """`python -m colocate_rl ARGS` in a subprocess, as a user runs it. No GPU is visible to it unless
+    `this_machine` (it then plans for whatever this machine has); `--gpus N` plans for N GPUs either way."""
+    return subprocess.run(
+        [sys.executable, "-m", "colocate_rl", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=clean_env(**({} if this_machine else NO_GPU), **(env or {})),
+        timeout=timeout,
+    )
+
+
+def assert_user_error(result, *fragments, one_line: bool = False):
+    """A bad-input exit: code 2, only `error: ` lines on stderr (exactly one if `one_line`), no traceback, each
+    fragment present."""
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines and all(line.startswith("error: ") for line in lines), result.stderr
+    assert not one_line or len(lines) == 1, result.stderr
     for fragment in fragments:
         assert fragment in result.stderr, result.stderr
+
+
+def resolved(recipe: dict | str | Path, host: Host, *sets: str) -> Resolved:
+    """`recipe` (a recipe mapping, a shipped recipe's name or a file) with `--set`-style `sets`, resolved for `host`
+    as the CLI resolves it (auto layout included)."""
+    data = recipe if isinstance(recipe, dict) else read_yaml(find_recipe(str(recipe)))
+    return resolve(parse_recipe(apply_overrides(data, parse_sets(list(sets)))), host)
+
+
+def write_recipe(path: Path, data: dict) -> Path:
+    """A recipe mapping as a YAML file, for the CLI."""
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def import_benchmark(name: str):
+    """A script of benchmarks/ imported as a module (its helpers are tested on CPU)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+# Test-local recipes for arithmetic (memory estimate, auto's layout): the shapes of the GPU recipes the hand checks
+# and the H200 measurements were made with, written out here so that editing a shipped recipe moves no hand-checked
+# number (tests/test_shipped.py checks the shipped ones). The layout keys are left at their defaults (DDP, no
+# checkpointing) unless the recipe forces one; tests set theirs.
+DIGITS = {"algorithm": "grpo", "data": {"source": "builtin:digits"}, "rewards": [{"name": "digit_share"}]}
+# recipes/gpu-0.5b-layout.yaml: 1 GPU per rank, 16 × 256-token completions, max_model_length 512, share 0.25, sleep
+QWEN05 = {
+    **DIGITS,
+    "model": {"name": "builtin:qwen2.5-0.5b"},
+    "trainer": {"per_device_train_batch_size": 16, "num_generations": 8, "max_completion_length": 256},
+    "generation": {"vllm_gpu_memory_utilization": 0.25, "sleep_level": 2, "max_model_length": 512},
+}
+# recipes/gpu-1.5b-layout-zero3.yaml: as QWEN05 with the 1.5B layout, micro-batch 8 and DeepSpeed ZeRO-3
+QWEN15_ZERO3 = {
+    **QWEN05,
+    "model": {"name": "builtin:qwen2.5-1.5b"},
+    "trainer": {**QWEN05["trainer"], "per_device_train_batch_size": 8},
+    "distributed": {"deepspeed": "zero3"},
+}
+# recipes/gpu-7b-layout-1gpu.yaml: 7B layout on 1 GPU, 8 × 1024-token completions, share 0.35, layout auto
+QWEN7_1GPU = {
+    **DIGITS,
+    "model": {"name": "builtin:qwen2.5-7b"},
+    "trainer": {
+        "per_device_train_batch_size": 8,
+        "num_generations": 8,
+        "max_completion_length": 1024,
+        "gradient_checkpointing": "auto",
+    },
+    "generation": {"vllm_gpu_memory_utilization": 0.35, "sleep_level": 2, "max_model_length": 1280},
+    "distributed": {"nproc_per_node": 1, "zero_stage": "auto"},
+}

@@ -1,40 +1,43 @@
-"""`distributed.zero_stage: auto` / `trainer.gradient_checkpointing: auto` (colocate_rl/autolayout.py): the choice
-per layout and GPU size (table-driven, real estimate arithmetic), explicit settings winning, no-GPU planning, the
-plan and CLI output reflecting the choice, the measured-mode hook, and the benchmark script's dry run."""
+"""`distributed.zero_stage: auto` / `trainer.gradient_checkpointing: auto` (colocate_rl/memory/autolayout.py): the
+choice per layout and GPU size (table-driven, real estimate arithmetic on test-local recipes), explicit settings
+winning, no-GPU planning, the plan and CLI output reflecting the choice, the measured-mode hook, and the benchmark
+script's dry run."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import DIGITS, H200_GIB, QWEN05, QWEN7_1GPU, QWEN15_ZERO3, ROOT, cli, import_benchmark, write_recipe
+from conftest import resolved as resolved_for
 
 from colocate_rl.memory import autolayout as A
-from colocate_rl.pipeline import resolve
-from colocate_rl.plan.host import assumed_host
+from colocate_rl.plan.host import Host, assumed_host
 from colocate_rl.plan.launch_plan import make_plan
-from colocate_rl.recipe.load import load_recipe, parse_sets
+from colocate_rl.recipe.load import load_recipe
 
-ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
-H200 = 143_771 / 1024  # GiB, as NVML reports an H200
+H200 = H200_GIB
 AUTO = ("distributed.zero_stage=auto", "trainer.gradient_checkpointing=auto")
+# recipes/qwen2.5-7b-grpo.yaml's shapes: Qwen2.5-7B-Instruct on 8 GPUs, 8 × 2 micro-batches of 1024-token completions
+QWEN7_8GPU = {
+    **DIGITS,
+    "model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
+    "trainer": {
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 2,
+        "num_generations": 8,
+        "max_completion_length": 1024,
+    },
+    "generation": {"vllm_gpu_memory_utilization": 0.35, "sleep_level": 2, "max_model_length": 1536},
+    "distributed": {"nproc_per_node": 8},
+}
 
 
-def resolved(recipe: str, gpus: int, gib: float, *sets: str):
-    return resolve(load_recipe(ROOT / "recipes" / f"{recipe}.yaml", parse_sets(list(sets))), assumed_host(gpus, gib))
-
-
-def cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "colocate_rl", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""},
-        timeout=120,
-    )
+def resolved(recipe: dict, gpus: int, gib: float, *sets: str):
+    """`recipe` with `sets` on `gpus` assumed GPUs of `gib` GiB."""
+    return resolved_for(recipe, assumed_host(gpus, gib), *sets)
 
 
 # recipe, GPUs per node, GiB per GPU, extra --set → chosen layout label (stage, offload, checkpointing)
@@ -43,28 +46,28 @@ def cli(*args):
     [
         # the reference run of issue 8: 1.5B layout, 2 H200s, 32 completions per step → ZeRO-2, no checkpointing
         (
-            "gpu-1.5b-layout-zero3",
+            QWEN15_ZERO3,
             2,
             H200,
             ["distributed.deepspeed=null", "trainer.per_device_train_batch_size=16"],
             "ZeRO-2",
         ),
-        ("gpu-0.5b-layout", 1, 80.0, [], "ZeRO-2"),
+        (QWEN05, 1, 80.0, [], "ZeRO-2"),
         # hand-checked below: the same 1.5B layout on 2 GPUs of 32 GiB needs checkpointing, and ZeRO-2 then fits; on
         # 24 GiB ZeRO-2 with checkpointing is 22.89 GiB > 21.6 in generation and ZeRO-3 with checkpointing (21.45) fits
-        ("gpu-1.5b-layout-zero3", 2, 32.0, ["distributed.deepspeed=null"], "ZeRO-2, checkpointing"),
-        ("gpu-1.5b-layout-zero3", 2, 24.0, ["distributed.deepspeed=null"], "ZeRO-3, checkpointing"),
+        (QWEN15_ZERO3, 2, 32.0, ["distributed.deepspeed=null"], "ZeRO-2, checkpointing"),
+        (QWEN15_ZERO3, 2, 24.0, ["distributed.deepspeed=null"], "ZeRO-3, checkpointing"),
         # 7B layout, 1024-token completions, 1 GPU: 14 GiB weights + 14 grads + 85 fp32 master/Adam never fit with
         # vLLM's share beside them, so ZeRO-2/3 without offload are out; the H200 fits optimizer offload without
         # checkpointing, 80 GiB needs checkpointing too
-        ("gpu-7b-layout-1gpu", 1, H200, [], "ZeRO-3 + offload optimizer"),
-        ("gpu-7b-layout-1gpu", 1, 80.0, [], "ZeRO-3 + offload optimizer, checkpointing"),
+        (QWEN7_1GPU, 1, H200, [], "ZeRO-3 + offload optimizer"),
+        (QWEN7_1GPU, 1, 80.0, [], "ZeRO-3 + offload optimizer, checkpointing"),
         # more ranks shard the optimizer states: 8 × 80 GiB takes ZeRO-2 again, with checkpointing
-        ("gpu-7b-layout-1gpu", 8, 80.0, ["distributed.nproc_per_node=8"], "ZeRO-2, checkpointing"),
-        ("qwen2.5-7b-grpo", 8, H200, [], "ZeRO-2"),
-        ("gpu-0.5b-layout", 1, 12.0, [], "ZeRO-3 + offload optimizer, checkpointing"),
+        (QWEN7_1GPU, 8, 80.0, ["distributed.nproc_per_node=8"], "ZeRO-2, checkpointing"),
+        (QWEN7_8GPU, 8, H200, [], "ZeRO-2"),
+        (QWEN05, 1, 12.0, [], "ZeRO-3 + offload optimizer, checkpointing"),
         # nothing fits: the last (most frugal) candidate, mem-probe explains the rest
-        ("gpu-0.5b-layout", 1, 4.0, [], "ZeRO-3 + offload optimizer and params, checkpointing"),
+        (QWEN05, 1, 4.0, [], "ZeRO-3 + offload optimizer and params, checkpointing"),
     ],
 )
 def test_choice_by_layout_and_gpu_memory(recipe, gpus, gib, sets, chosen):
@@ -93,7 +96,7 @@ def test_hand_checked_case():
     ZeRO-2 with checkpointing: training keeps layer inputs (28 × 2 × 1536 B/token) plus one layer → 19.07; generation
       holds the trainer's 1.25 + 2.7 + 2.875 + 1.438 + 8.626 beside vLLM's share 0.25 × 32 = 8 → 24.89 GiB ≤ 28.8:
       fits."""
-    c = resolved("gpu-1.5b-layout-zero3", 2, 32.0, *AUTO, "distributed.deepspeed=null").layout_choice
+    c = resolved(QWEN15_ZERO3, 2, 32.0, *AUTO, "distributed.deepspeed=null").layout_choice
     n = 1_543_714_304
     state = 1.25 + 2.7 + (2 * n + n + 6 * n) / GIB
     act = 8 * 512 * 28 * 2 * (8 * 1536 + 3 * 1536 + 2 * 256 + 4 * 8960) / GIB
@@ -107,7 +110,7 @@ def test_hand_checked_case():
 
 
 def test_candidate_order_is_by_speed_and_checkpointing_is_tried_within_a_stage():
-    c = resolved("gpu-0.5b-layout", 1, 80.0, *AUTO).layout_choice
+    c = resolved(QWEN05, 1, 80.0, *AUTO).layout_choice
     assert [t.candidate.label for t in c.tried] == [
         "ZeRO-2",
         "ZeRO-2, checkpointing",
@@ -119,7 +122,7 @@ def test_candidate_order_is_by_speed_and_checkpointing_is_tried_within_a_stage()
         "ZeRO-3 + offload optimizer and params, checkpointing",
     ]
     only_stage = resolved(
-        "gpu-0.5b-layout", 1, 80.0, "distributed.zero_stage=auto", "trainer.gradient_checkpointing=false"
+        QWEN05, 1, 80.0, "distributed.zero_stage=auto", "trainer.gradient_checkpointing=false"
     ).layout_choice
     assert [t.candidate.label for t in only_stage.tried] == [
         "ZeRO-2",
@@ -186,23 +189,21 @@ def test_candidate_order_is_by_speed_and_checkpointing_is_tried_within_a_stage()
 )
 def test_explicit_settings_win(sets, labels, chosen):
     # 0.5B layout on a 12 GiB GPU: tight enough that the choice moves down the list
-    c = resolved("gpu-0.5b-layout", 1, 12.0, *sets).layout_choice
+    c = resolved(QWEN05, 1, 12.0, *sets).layout_choice
     assert [t.candidate.label for t in c.tried] == labels, "\n".join(c.lines())
     assert c.chosen.label == chosen, "\n".join(c.lines())
 
 
 def test_nothing_auto_means_no_choice_and_the_recipe_as_written():
-    r = resolved("gpu-1.5b-layout-zero3", 2, 80.0)
+    r = resolved(QWEN15_ZERO3, 2, 80.0)
     assert r.layout_choice is None and r.deepspeed["zero_optimization"]["stage"] == 3
     assert r.gradient_checkpointing is False
-    r = resolved("gpu-1.5b-layout-zero3", 2, 80.0, "trainer.gradient_checkpointing=true")
+    r = resolved(QWEN15_ZERO3, 2, 80.0, "trainer.gradient_checkpointing=true")
     assert r.layout_choice is None and r.gradient_checkpointing is True
 
 
 def test_without_a_gpu_the_first_candidate_and_no_limit():
-    from colocate_rl.plan.host import Host
-
-    r = resolve(load_recipe(ROOT / "recipes" / "gpu-0.5b-layout.yaml"), Host(cpu_count=4))
+    r = resolved_for(QWEN05, Host(cpu_count=4), *AUTO)
     c = r.layout_choice
     assert r.device == "cpu" and c.gpu_gib is None and c.limit_gib is None
     assert c.chosen.label == "ZeRO-2" and not r.gradient_checkpointing
@@ -211,13 +212,13 @@ def test_without_a_gpu_the_first_candidate_and_no_limit():
 
 
 def test_unknown_layout_on_a_gpu_takes_the_safe_zero3():
-    r = resolved("gpu-0.5b-layout", 1, 80.0, "model.name=someone/unknown-model")
+    r = resolved(QWEN05, 1, 80.0, *AUTO, "model.name=someone/unknown-model")
     assert r.layout_choice.chosen.label == "ZeRO-3, checkpointing"
     assert "no estimate (model.name: no layout known" in r.layout_choice.reason
 
 
 def test_plan_files_reflect_the_choice(tmp_path):
-    r = resolved("gpu-1.5b-layout-zero3", 2, 32.0, *AUTO, "distributed.deepspeed=null")
+    r = resolved(QWEN15_ZERO3, 2, 32.0, *AUTO, "distributed.deepspeed=null")
     plan = make_plan(r, run_dir=tmp_path / "run", python="python", cwd=tmp_path, cache_dir=tmp_path, base_env={})
     ds = json.loads(plan.files["deepspeed.json"])
     assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"]["enabled"] is True
@@ -227,8 +228,13 @@ def test_plan_files_reflect_the_choice(tmp_path):
     assert "zero_stage: auto" in plan.files["recipe.yaml"]
 
 
-def test_train_dry_run_and_validate_say_what_auto_chose():
-    result = cli("train", "gpu-7b-layout-1gpu", "--dry-run", "--gpus", "1", "--gpu-memory", str(H200))
+@pytest.fixture
+def qwen7_file(tmp_path):
+    return write_recipe(tmp_path / "qwen7.yaml", QWEN7_1GPU)
+
+
+def test_train_dry_run_and_validate_say_what_auto_chose(qwen7_file):
+    result = cli("train", qwen7_file, "--dry-run", "--gpus", "1", "--gpu-memory", H200)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert (
@@ -239,19 +245,17 @@ def test_train_dry_run_and_validate_say_what_auto_chose():
     assert any(x.startswith("#   ZeRO-3 + offload optimizer ") and x.endswith("fits  ← chosen") for x in lines)
     assert "# chosen: ZeRO-3 + offload optimizer — the first that fits (98.48 ≤ 126.4 GiB)" in lines
     assert lines[-1].startswith("OMP_NUM_THREADS=")  # the command stays last
-    shown = cli("validate", "gpu-7b-layout-1gpu", "--gpus", "1", "--gpu-memory", "80")
+    shown = cli("validate", qwen7_file, "--gpus", "1", "--gpu-memory", "80")
     assert shown.returncode == 0, shown.stderr
     assert "ZeRO-3 + offload optimizer, checkpointing (auto)" in shown.stdout
     assert "chosen: ZeRO-3 + offload optimizer, checkpointing — the first that fits" in shown.stdout
 
 
-def test_mem_probe_shows_and_returns_the_choice():
-    shown = cli("mem-probe", "gpu-7b-layout-1gpu", "--estimate", "--gpus", "1", "--gpu-memory", str(H200))
+def test_mem_probe_shows_and_returns_the_choice(qwen7_file):
+    shown = cli("mem-probe", qwen7_file, "--estimate", "--gpus", "1", "--gpu-memory", H200)
     assert shown.returncode == 0, shown.stderr
     assert "chosen: ZeRO-3 + offload optimizer — the first that fits" in shown.stdout
-    data = json.loads(
-        cli("mem-probe", "gpu-7b-layout-1gpu", "--estimate", "--gpus", "1", "--gpu-memory", str(H200), "--json").stdout
-    )
+    data = json.loads(cli("mem-probe", qwen7_file, "--estimate", "--gpus", "1", "--gpu-memory", H200, "--json").stdout)
     choice = data["layout_choice"]
     assert choice["chosen"] == {
         "label": "ZeRO-3 + offload optimizer",
@@ -280,7 +284,7 @@ def test_offload_must_fit_in_host_memory(ram, chosen):
     from dataclasses import replace
 
     host = replace(assumed_host(1, H200), ram_gib=ram)
-    c = resolve(load_recipe(ROOT / "recipes" / "gpu-7b-layout-1gpu.yaml"), host).layout_choice
+    c = resolved_for(QWEN7_1GPU, host).layout_choice
     assert c.chosen.label == chosen, "\n".join(c.lines())
     opt = next(t for t in c.tried if t.candidate.label == "ZeRO-3 + offload optimizer")
     assert opt.host_gib == pytest.approx(16 * 7_615_616_512 / GIB) and opt.host_fits is (ram != 125.0)
@@ -291,7 +295,7 @@ def test_offload_must_fit_in_host_memory(ram, chosen):
 
 
 def test_confirm_choice_for_the_measured_mode():
-    c = resolved("gpu-1.5b-layout-zero3", 2, 32.0, *AUTO, "distributed.deepspeed=null").layout_choice
+    c = resolved(QWEN15_ZERO3, 2, 32.0, *AUTO, "distributed.deepspeed=null").layout_choice
     ok, line = A.confirm_choice(c, 18.0)
     assert ok and line.startswith("ZeRO-2, checkpointing confirmed: measured peak 18.00 GiB (estimated 24.89")
     ok, line = A.confirm_choice(c, 30.0)
@@ -353,11 +357,7 @@ def test_bench_script_dry_run_prints_every_row(tmp_path):
 
 def test_bench_results_from_metrics(tmp_path):
     """The s/step statistic: median of wall_s differences after the first step; time/* medians likewise."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_layouts as B
-    finally:
-        sys.path.pop(0)
+    B = import_benchmark("bench_layouts")
     run = tmp_path / "run"
     run.mkdir()
     walls = [10.0, 11.5, 13.0, 14.2, 15.9]
@@ -399,15 +399,16 @@ def test_bench_results_from_metrics(tmp_path):
 def test_engine_trainer_offload_keeps_only_layouts_it_supports():
     # generation.offload_trainer_during_generation needs the optimizer states on the GPU and, under ZeRO-3, an
     # optimizer block: auto keeps ZeRO-2 only (here nothing fits 12 GiB, so its last candidate)
-    r = resolved("gpu-0.5b-layout", 1, 12.0, "generation.offload_trainer_during_generation=true")
+    r = resolved(QWEN05, 1, 12.0, *AUTO, "generation.offload_trainer_during_generation=true")
     assert [t.candidate.label for t in r.layout_choice.tried] == ["ZeRO-2", "ZeRO-2, checkpointing"]
     from colocate_rl.errors import UserError
 
     with pytest.raises(UserError, match="the optimizer states already live on CPU"):
         resolved(
-            "gpu-0.5b-layout",
+            QWEN05,
             1,
             12.0,
+            *AUTO,
             "generation.offload_trainer_during_generation=true",
             "distributed.offload_optimizer=true",
         )

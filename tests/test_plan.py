@@ -4,14 +4,12 @@ import json
 from pathlib import Path
 
 import yaml
+from conftest import CPU, GPU8
 
 from colocate_rl.pipeline import resolve
-from colocate_rl.plan.host import Gpu, Host
 from colocate_rl.plan.launch_plan import make_plan
 from colocate_rl.recipe.load import parse_recipe
 
-CPU = Host(gpus=(), has_vllm=False, cpu_count=2)
-GPU8 = Host(gpus=(Gpu("H200", 140.0),) * 8, has_vllm=True, cpu_count=128)
 RUN = Path("/runs/r1")
 CACHE = Path("/cache/colocate-rl")
 

@@ -3,7 +3,6 @@ from a hand-written timeline, the trial runner (timeout ends every process; one 
 without a GPU and the benchmark script's dry run."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import assert_user_error
+from conftest import CPU, ROOT, assert_user_error, cli, import_benchmark
 
 from colocate_rl.launch import failures as F
 from colocate_rl.launch.failures import FAILED, KV_TOO_SMALL, OK, OOM, START_REFUSED, TIMEOUT, TOO_HIGH
@@ -19,8 +18,6 @@ from colocate_rl.memory import peaks
 from colocate_rl.memory import probe as P
 from colocate_rl.memory.bisect import ProbeAborted, TrialResult, bisect
 from colocate_rl.plan.launch_plan import LaunchPlan
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def fake(threshold: float, too_low_below: float = 0.0, unknown_at: float | None = None, log: list | None = None):
@@ -392,20 +389,14 @@ def test_one_real_trial_of_the_quickstart_on_cpu(tmp_path, monkeypatch):
 
 
 def test_measuring_without_a_gpu_says_so_in_one_line():
-    result = subprocess.run(
-        [sys.executable, "-m", "colocate_rl", "mem-probe", "gpu-0.5b-layout", "--write", "never.yaml"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""},
-    )
+    result = cli("mem-probe", "gpu-0.5b-layout", "--write", "never.yaml")  # no GPU visible to it
     assert_user_error(
         result,
         "mem-probe: no CUDA GPU on this machine; measuring runs the recipe on the GPUs — run "
         "`colocate-rl mem-probe RECIPE --estimate` here",
+        one_line=True,
     )
-    assert len(result.stderr.strip().splitlines()) == 1 and not (ROOT / "never.yaml").exists()
+    assert not (ROOT / "never.yaml").exists()
 
 
 def test_write_recipe_replaces_the_file_whole(tmp_path):
@@ -462,11 +453,9 @@ def test_bench_script_dry_run_prints_the_commands(tmp_path):
 def test_bench_verification_resumes_from_its_trial_log(tmp_path, monkeypatch):
     """The bench's 20-step bisection (trials faked: a real one needs a GPU) reuses the trials a cut-off session
     finished, and counts a share the probe saw run out of memory as too high without running it."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import argparse
 
-    import bench_mem_probe as B
-
+    B = import_benchmark("bench_mem_probe")
     ran = []
 
     def run_trial(plan, util, steps, timeout_s):
@@ -476,6 +465,7 @@ def test_bench_verification_resumes_from_its_trial_log(tmp_path, monkeypatch):
         return TrialResult(util, OK if ok else OOM, 9.0, steps if ok else 4, str(plan.run_dir))
 
     monkeypatch.setattr(B.P, "run_trial", run_trial)
+    monkeypatch.setattr(B, "detect_host", lambda: CPU)  # the trials are planned for a fixed host
     args = argparse.Namespace(steps=3, verify_steps=20, band=0.04, resolution=0.02, trial_timeout=60)
     probe_trials = [
         {"util": 0.9, "outcome": OOM, "steps": 1, "detail": "CUDA error: out of memory"},

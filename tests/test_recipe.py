@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import CPU
 
 from colocate_rl.errors import UserError
 from colocate_rl.pipeline import resolve
@@ -11,7 +12,6 @@ from colocate_rl.plan.trl_args import trl_field_names
 from colocate_rl.recipe.load import apply_overrides, dump_recipe, format_sets, load_recipe, parse_recipe, parse_sets
 from colocate_rl.recipe.schema import Recipe
 
-CPU = Host(gpus=(), has_vllm=False, cpu_count=2)
 GPU2 = Host(gpus=(Gpu("H200", 140.0),) * 2, has_vllm=True, cpu_count=32)
 MINIMAL = {"rewards": [{"name": "digit_share"}]}
 
@@ -285,6 +285,36 @@ def test_trl_field_list_matches_installed_trl():
 
     assert trl_field_names("grpo") == {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
     assert trl_field_names("rloo") == {f.name for f in dataclasses.fields(RLOOConfig) if f.init}
+
+
+def test_trl_private_hooks_exist():
+    """Telemetry wraps TRL's private methods by name and skips missing ones silently: a TRL that renamed one would
+    lose that phase's timing without an error. Each name it wraps is still there."""
+    import inspect
+
+    from trl import GRPOTrainer, RLOOTrainer
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from colocate_rl.rank import telemetry as T
+    from colocate_rl.rank.vllm_engine import ColocatedEngine
+
+    for trainer in (GRPOTrainer, RLOOTrainer):  # every trainer hook is on both today
+        missing = [name for name in T.TRAINER_PHASES if not callable(getattr(trainer, name, None))]
+        assert not missing, f"{trainer.__name__} has no {missing}"
+        assert f"self.{T.ENGINE_ATTR} =" in inspect.getsource(trainer)  # where instrument finds the engine
+    # sync_weights is TRL's (VLLMGeneration); check_weights, _offload_trainer and _reload_trainer are colocate-rl's
+    # engine's own, absent on TRL's engine by design
+    assert callable(getattr(VLLMGeneration, "sync_weights", None))
+    assert [name for name in T.ENGINE_PHASES if not callable(getattr(ColocatedEngine, name, None))] == []
+    assert f"self.{T.LLM_ATTR} =" in inspect.getsource(VLLMGeneration)  # the engine's vllm.LLM (colocate mode)
+
+
+def test_vllm_llm_hooks_exist():
+    """The vllm.LLM methods telemetry wraps (public ones: wake_up, sleep); checked where vLLM is installed."""
+    from colocate_rl.rank.telemetry import LLM_PHASES
+
+    vllm = pytest.importorskip("vllm", reason="vLLM is installed on GPU machines only")
+    assert [name for name in LLM_PHASES if not callable(getattr(vllm.LLM, name, None))] == []
 
 
 def test_every_schema_key_is_in_the_recipe_guide():

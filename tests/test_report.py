@@ -7,12 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import assert_user_error, cli
 from rich.console import Console
 
 from colocate_rl.errors import UserError
 from colocate_rl.telemetry import report as rep
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # One step, in order: (innermost phase, seconds, memory during it in GiB); generate wraps wake … sleep.
 GPU_STEP = [
@@ -116,24 +115,8 @@ def make_old_run(path: Path) -> Path:
     return path
 
 
-def cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "colocate_rl", "report", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=120,
-    )
-
-
-def assert_user_error(result, *fragments):
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr
+def report(*args):
+    return cli("report", *args)
 
 
 def rendered(tables) -> str:
@@ -265,11 +248,11 @@ def test_two_runs_compare(tmp_path, figures):
 
 def test_cli_report_and_compare(tmp_path):
     on, off = make_run(tmp_path / "on"), make_run(tmp_path / "off", sleep=False)
-    result = cli(on)
+    result = report(on)
     assert result.returncode == 0, result.stderr
     assert "time per step by phase" in result.stdout and "step 1 (warm-up) left out" in result.stdout
     assert f"wrote {on / 'memory_timeline.png'}" in result.stdout
-    result = cli(on, off, "--out", tmp_path / "cmp")
+    result = report(on, off, "--out", tmp_path / "cmp")
     assert result.returncode == 0, result.stderr
     for kind in ("memory_timeline", "step_breakdown", "reward"):
         assert drawn(tmp_path / "cmp" / f"compare_{kind}.png") > 0.02
@@ -283,13 +266,13 @@ def test_malformed_lines_are_skipped(tmp_path):
         f.write('{"t": "soon", "mem": 3}\n\x00garbage\n{"t": 99.0, "mem": null}\n{"t": 99.5, "me')
     run = rep.load_run(run_dir)
     assert [r["step"] for r in run.steps] == [1, 2, 3]
-    result = cli(run_dir)
+    result = report(run_dir)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
 
 
 def test_old_run_without_telemetry(tmp_path):
     run_dir = make_old_run(tmp_path / "old")
-    result = cli(run_dir)
+    result = report(run_dir)
     assert result.returncode == 0, result.stderr
     assert "reward.png" in result.stdout and "memory_timeline.png not written" in result.stdout
     assert not (run_dir / "step_breakdown.png").exists()
@@ -297,14 +280,14 @@ def test_old_run_without_telemetry(tmp_path):
 
 
 def test_errors(tmp_path):
-    assert_user_error(cli(tmp_path / "missing"), "missing: does not exist", "colocate-rl train")
-    assert_user_error(cli(tmp_path), "no metrics.jsonl", "colocate-rl train")
+    assert_user_error(report(tmp_path / "missing"), "missing: does not exist", "colocate-rl train", one_line=True)
+    assert_user_error(report(tmp_path), "no metrics.jsonl", "colocate-rl train", one_line=True)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text('{"step": 0, "wall_s": 1.0, "train_runtime": 1.0}\n{"st')
-    assert_user_error(cli(tmp_path / "empty"), "no training step logged yet")
+    assert_user_error(report(tmp_path / "empty"), "no training step logged yet", one_line=True)
     run_dir = make_old_run(tmp_path / "old")
-    assert_user_error(cli(run_dir, run_dir, run_dir), "pass one, or two")
-    assert_user_error(cli(run_dir, "--out", run_dir / "metrics.jsonl"), "is a file; pass a directory")
+    assert_user_error(report(run_dir, run_dir, run_dir), "pass one, or two", one_line=True)
+    assert_user_error(report(run_dir, "--out", run_dir / "metrics.jsonl"), "is a file; pass a directory", one_line=True)
     with pytest.raises(UserError):
         rep.load_run(tmp_path / "empty")
 

@@ -1,14 +1,14 @@
-"""Every shipped recipe validates and plans (on this CPU host and for an 8-GPU node); every shipped
-DeepSpeed config loads and builds for each precision."""
+"""Every shipped recipe validates and plans (on a CPU-only machine and on an 8-GPU node); every shipped DeepSpeed
+config loads and builds for each precision."""
 
 import json
 from pathlib import Path
 
 import pytest
+from conftest import CPU, GPU8, ROOT
 
 from colocate_rl.pipeline import resolve
 from colocate_rl.plan.deepspeed import build_deepspeed_config
-from colocate_rl.plan.host import assumed_host, detect_host
 from colocate_rl.plan.launch_plan import make_plan
 from colocate_rl.recipe.load import load_recipe
 from colocate_rl.recipe.shipped import recipe_summary, shipped_deepspeed_configs, shipped_recipes
@@ -28,17 +28,19 @@ def test_expected_recipes_are_shipped():
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-@pytest.mark.parametrize("host", ["detected", "8 GPUs"])
+@pytest.mark.parametrize("host", [CPU, GPU8], ids=["cpu", "8-gpus"])
 def test_shipped_recipe_validates_and_plans(name, host, tmp_path):
     recipe = load_recipe(RECIPES[name])
     assert recipe.name == name, "a recipe's name matches its file name"
     assert recipe_summary(RECIPES[name]), "a recipe starts with a one-line comment saying what it runs"
-    resolved = resolve(recipe, detect_host() if host == "detected" else assumed_host(8))
+    resolved = resolve(recipe, host)
     plan = make_plan(resolved, run_dir=tmp_path / "run", python="python", cwd=tmp_path, cache_dir=tmp_path, base_env={})
     assert plan.argv[:3] == ["python", "-m", "torch.distributed.run"]
-    if host == "8 GPUs":
-        args = json.loads(plan.files["launch.json"])["trl_args"]
+    args = json.loads(plan.files["launch.json"])["trl_args"]
+    if host is GPU8:
         assert args["use_vllm"] and args["vllm_mode"] == "colocate" and args["bf16"]
+    else:
+        assert args["use_cpu"] and not args["use_vllm"] and resolved.backend == "transformers"
     assert not (tmp_path / "run").exists()
 
 
@@ -73,9 +75,8 @@ def test_deepspeed_overrides_and_user_file(tmp_path):
 
 
 def test_ci_runs_the_readme_test_command():
-    root = Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- test-command -->", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0].strip()
     assert block == "python -m pytest -q"
-    ci = (root / ".ci" / "run").read_text().splitlines()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert block in ci, ".ci/run must call the README's exact test command"

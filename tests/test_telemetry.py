@@ -1,6 +1,6 @@
-"""Telemetry on CPU: exclusive phase accounting, timeline lines, and the merge into TRL's logs."""
+"""Telemetry on CPU: exclusive phase accounting (on a clock the test turns), timeline lines, and the merge into
+TRL's logs."""
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -9,24 +9,67 @@ from colocate_rl.rank.telemetry import Telemetry
 from colocate_rl.rank.worker import merge_telemetry_into_logs
 
 
+class Clock:
+    """A clock that only moves when the test says so."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_nested_phases_are_exclusive_and_add_up_to_the_step(tmp_path):
-    tel = Telemetry(tmp_path)
+    clock = Clock()
+    tel = Telemetry(tmp_path, clock=clock)
     tel.step_begin()
     with tel.phase("generate"):
-        time.sleep(0.05)
+        clock.advance(0.05)
         with tel.phase("wake"):
-            time.sleep(0.2)
+            clock.advance(0.2)
+        clock.advance(0.01)
+    clock.advance(0.003)  # between phases: charged to "other"
     with tel.phase("train"):
-        time.sleep(0.02)
+        clock.advance(0.02)
     metrics = tel.step_end(1)
-    # exclusive: the 0.2 s spent in the nested wake is not charged to generate (lower bounds are exact,
-    # upper bounds generous because a loaded machine oversleeps)
-    assert 0.05 <= metrics["time/generate_s"] < 0.2
-    assert metrics["time/wake_s"] >= 0.2 and metrics["time/train_s"] >= 0.02
-    parts = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
-    assert parts == pytest.approx(metrics["time/step_s"], abs=0.002)
+    # exclusive: the 0.2 s spent in the nested wake is not charged to generate
+    times = {k: v for k, v in metrics.items() if k.startswith("time/")}
+    assert times == {
+        "time/step_s": 0.283,
+        "time/generate_s": 0.06,
+        "time/wake_s": 0.2,
+        "time/train_s": 0.02,
+        "time/other_s": 0.003,
+    }
+    assert metrics["telemetry/overhead_s"] == 0  # the clock did not move inside telemetry
     assert metrics["mem/rss_gib"] > 0 and metrics["mem/rss_peak_gib"] >= metrics["mem/rss_gib"]
-    assert 0 < metrics["telemetry/overhead_s"] < 0.05  # ~2 ms measured; generous for loaded CI machines
+    # the next step starts from zero
+    tel.step_begin()
+    clock.advance(0.5)
+    second = tel.step_end(2)
+    assert (second["time/step_s"], second["time/other_s"]) == (0.5, 0.5) and "time/generate_s" not in second
+
+
+def test_telemetry_counts_its_own_time_as_overhead_inside_the_step(tmp_path):
+    clock = Clock()
+    tel = Telemetry(tmp_path, clock=clock)
+    read = tel.read_memory
+
+    def slow_read():  # every memory reading takes 1 ms of the clock
+        clock.advance(0.001)
+        return read()
+
+    tel.read_memory = slow_read
+    tel.step_begin()
+    with tel.phase("generate"):
+        clock.advance(0.1)
+    metrics = tel.step_end(1)
+    # three readings (the phase's two edges, the step end), the last one after the step's end boundary
+    assert metrics["telemetry/overhead_s"] == pytest.approx(0.003)
+    assert metrics["time/step_s"] == pytest.approx(0.102) and metrics["time/generate_s"] == pytest.approx(0.101)
 
 
 def test_wrap_times_a_method_and_keeps_its_result(tmp_path):

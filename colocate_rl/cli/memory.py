@@ -239,7 +239,8 @@ def _estimate(recipe, overrides, detected, gpus, gpu_memory, prompt_tokens, json
             table.add_row(term, *(f"{row[p]:.2f}" if p in row else "" for p in MEMORY_PHASES))
         table.add_row("total", *(f"{rec.base.total(p):.2f}" for p in MEMORY_PHASES), style="bold")
         console.print(table)
-        ram = detected.ram_gib if detected.gpus else None  # the GPUs are here: planning for this machine
+        # planning for this machine (its GPUs, not --gpus N of another node): offload must fit its RAM
+        ram = detected.ram_gib if detected.gpus and gpus is None else None
         for line in recommendation_lines(rec, ram) + (choice.lines() if choice is not None else []):
             console.print(line, highlight=False, soft_wrap=True)
     if write is not None:
