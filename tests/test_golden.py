@@ -104,3 +104,17 @@ def test_validate_and_estimate_output_is_unchanged(case, clean_env):
     args = json.loads(path.read_text())["args"]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "160"})
     _compare(path, {"args": args, "exit": result.exit_code, "stdout": result.stdout, "stderr": result.stderr})
+
+
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_launch_json_of_earlier_versions_reads_back_unchanged(case, tmp_path):
+    """Run directories written before the restructure keep working: their launch.json (recorded above) is read by
+    the ranks as a LaunchSpec and written back to the same bytes."""
+    from colocate_rl.plan.launch_spec import LaunchSpec
+
+    files = json.loads((GOLDEN / "plan" / f"{case}.json").read_text()).get("files")
+    if not files:
+        pytest.skip("the dry run of this case failed by design")
+    path = tmp_path / "launch.json"
+    path.write_text(files["launch.json"])
+    assert LaunchSpec.read(path).to_json() == files["launch.json"]

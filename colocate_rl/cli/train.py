@@ -248,7 +248,7 @@ def train(
     resolved, sources = _load(recipe, set_, gpus, gpu_memory, flags)
     dist = resolved.recipe.distributed
     plan = plan_run(resolved, run_dir, env=os.environ, now=datetime.now(), cwd=Path.cwd(), python=sys.executable)
-    note = slurm_note(os.environ) if dist.nnodes == 1 and sources["nnodes"] in ("default", "recipe") else None
+    note = slurm_note(os.environ, dist.nnodes, sources["nnodes"])
     if dry_run:
         print(f"# run dir (not created): {plan.run_dir}")
         for key in NODE_KEYS:  # where the node settings came from (all of them on several nodes)

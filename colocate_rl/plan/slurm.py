@@ -128,8 +128,11 @@ def slurm_settings(env: Mapping[str, str]) -> list[Setting]:
     ]
 
 
-def slurm_note(env: Mapping[str, str]) -> str | None:
-    """A hint when `train` runs inside a multi-node Slurm job but outside `srun` (it then uses this node only)."""
+def slurm_note(env: Mapping[str, str], nnodes: int = 1, nnodes_source: str = "default") -> str | None:
+    """A hint when `train` runs one node inside a multi-node Slurm job but outside `srun` (it then uses this node
+    only), unless the user asked for the node count (`--nnodes`, `--set`)."""
+    if nnodes != 1 or nnodes_source not in ("default", "recipe"):
+        return None
     nodes = env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", ""))
     if "SLURM_JOB_ID" in env and not in_slurm_step(env) and nodes.isdigit() and int(nodes) > 1:
         return (
