@@ -128,3 +128,109 @@ def estimate_host(
                 "plan for N GPUs per node"
             )
     return planning_host(gpus, gib, detect=lambda: detected), gib
+
+
+# What a resumed run may change: nothing its checkpoint was trained with (model, data, rewards, optimizer, batch,
+# ranks); more steps, logging, checkpoints, the watchdog, report backends, the node's place in the job, and the keys
+# that pin the trainer layout (checked: it must come out as the one the checkpoint was written with).
+RESUMABLE = (
+    "trainer.max_steps",
+    "trainer.logging_steps",
+    "checkpoint.",
+    "watchdog.",
+    "output.report_to",
+    "output.save_model",
+    "generation.check_weights",
+    "distributed.node_rank",
+    "distributed.rdzv_endpoint",
+    "distributed.rdzv_id",
+    "distributed.rdzv_backend",
+    "distributed.zero_stage",
+    "distributed.deepspeed",
+    "distributed.offload_optimizer",
+    "distributed.offload_params",
+    "trainer.gradient_checkpointing",
+)
+
+
+def plan_resume(
+    run_dir: Path,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    host: Host,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str],
+    cwd: Path,
+    python: str = sys.executable,
+) -> tuple[Resolved, LaunchPlan]:
+    """`train --resume RUN_DIR`: the run's own resolved recipe (plus the `RESUMABLE` overrides) planned to continue
+    from its newest complete checkpoint, with the same ranks. Fails (UserError) when there is nothing to resume, the
+    run finished, an override would change what the checkpoint carries, or the ranks differ."""
+    from colocate_rl.plan.launch_spec import LaunchSpec
+    from colocate_rl.rundir import RunDir
+
+    paths = RunDir((cwd / run_dir) if not Path(run_dir).is_absolute() else Path(run_dir))
+    if not paths.recipe.is_file() or not paths.launch_spec.is_file():
+        raise UserError(
+            f"--resume {run_dir}: not a run directory (no recipe.yaml and launch.json); pass the run directory "
+            "`colocate-rl train` printed"
+        )
+    if paths.done.exists():
+        raise UserError(f"--resume {run_dir}: the run already finished ({paths.done}); start a new run instead")
+    frozen = [key for key in overrides or {} if not key.startswith(RESUMABLE)]
+    if frozen:
+        raise UserError(
+            *(
+                f"--set {key}: a resumed run keeps what its checkpoint was trained with; start a new run to change it "
+                f"(a resume may change only {', '.join(k.rstrip('.') for k in RESUMABLE)})"
+                for key in frozen
+            )
+        )
+    complete = paths.complete_checkpoints()
+    if not complete:
+        raise UserError(
+            f"--resume {run_dir}: no complete checkpoint in {paths.checkpoints} (one cut off mid-save does not "
+            "count); start the run again with `colocate-rl train`"
+        )
+    latest, earlier = complete[-1], LaunchSpec.read(paths.launch_spec)
+    data, _ = layer_distributed(read_yaml(paths.recipe), overrides or {}, flags or {}, env)
+    resolved = resolve(parse_recipe(data, str(paths.recipe)), host)
+    if resolved.world_size != earlier.world_size:
+        raise UserError(
+            f"--resume {run_dir}: its checkpoints were written by {earlier.world_size} ranks and this launch has "
+            f"{resolved.world_size}; resume with as many ranks (GPUs, nodes) as the run started with"
+        )
+    import json
+
+    from colocate_rl.plan.deepspeed import ZeroLayout
+
+    before = ZeroLayout.of(json.loads(paths.deepspeed.read_text()) if paths.deepspeed.is_file() else None)
+    now = ZeroLayout.of(resolved.deepspeed)
+    if (before.stage, before.offload_optimizer, before.offload_params) != (
+        now.stage,
+        now.offload_optimizer,
+        now.offload_params,
+    ):
+        raise UserError(
+            f"--resume {run_dir}: the run trained with ZeRO stage {before.stage} and this machine's auto layout "
+            f"would now pick stage {now.stage} (other GPU memory?); pin it: --set distributed.zero_stage="
+            f"{before.stage}"
+            if before.stage is not None
+            else f"--resume {run_dir}: the run trained without DeepSpeed; pin it: --set distributed.deepspeed=null"
+        )
+    step = int(latest.name.rpartition("-")[2])
+    if resolved.recipe.trainer.max_steps <= step:
+        raise UserError(
+            f"trainer.max_steps: {resolved.recipe.trainer.max_steps} is not beyond the checkpoint's step {step}; "
+            f"raise it (--set trainer.max_steps=N) to train on"
+        )
+    plan = make_plan(
+        resolved,
+        run_dir=paths.path,
+        python=python,
+        cwd=cwd,
+        cache_dir=cache_dir(env),
+        base_env=env,
+        resume_from=str(latest),
+    )
+    return resolved, plan

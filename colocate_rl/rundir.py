@@ -33,6 +33,9 @@ METRICS = "metrics.jsonl"  # rank 0: one record per logged step
 EVENTS = "events.jsonl"  # every rank: structured events (colocate_rl.telemetry.events)
 TIMELINE_DIR = "timeline"  # timeline/rank<N>.jsonl (colocate_rl.telemetry.timeline)
 FINAL = "final"  # the saved model
+CHECKPOINTS = "checkpoints"  # checkpoints/checkpoint-<step>/ (TRL's output_dir)
+CHECKPOINT_COMPLETE = "colocate_rl_complete.json"  # written into a checkpoint once every rank saved its part
+STOP_REQUEST = "STOP"  # written by the launcher: every rank saves a checkpoint at the next step end and exits
 DONE = "DONE"  # rank 0, once the final model is saved
 NODES_DIR = "nodes"  # nodes/<node_rank>/: one node's own files when several nodes share the run dir
 IDENTITY = "recipe-identity.json"  # nodes/<node_rank>/recipe-identity.json
@@ -89,6 +92,21 @@ class RunDir:
     @property
     def done(self) -> Path:
         return self.path / DONE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def stop_request(self) -> Path:
+        return self.path / STOP_REQUEST
+
+    def complete_checkpoints(self) -> list[Path]:
+        """Checkpoints every rank finished saving, oldest first (one cut off by a crash or a full disk is left out)."""
+        found = [p for p in self.checkpoints.glob("checkpoint-*") if (p / CHECKPOINT_COMPLETE).is_file()]
+        return sorted(
+            found, key=lambda p: int(p.name.rpartition("-")[2]) if p.name.rpartition("-")[2].isdigit() else -1
+        )
 
     def node_dir(self, node_rank: int | str) -> Path:
         return self.path / node_dir_name(node_rank)
@@ -200,6 +218,19 @@ def write_shared(path: Path, content: str) -> bool:
         finally:
             tmp.unlink(missing_ok=True)
     return path.read_text() == content
+
+
+def replace_file(path: Path, content: str) -> None:
+    """Write `path` whole or not at all (a temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(content)
+        if path.suffix == ".sh":
+            tmp.chmod(0o755)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_run_dir(run_dir: Path, files: dict[str, str], node_dir: str | None = None) -> list[str]:

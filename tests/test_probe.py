@@ -338,7 +338,9 @@ def test_the_probes_settings_come_after_the_users():
         "generation.vllm_gpu_memory_utilization": 0.35,
         "trainer.max_steps": 3,
         "trainer.logging_steps": 1,
-        "trainer.save_steps": 0,
+        "checkpoint.every_steps": None,
+        "checkpoint.every_minutes": None,
+        "watchdog.step_timeout_minutes": None,
         "output.save_model": False,
     }
 

@@ -131,9 +131,11 @@ def step_line(record: dict[str, Any]) -> str:
     return "  ".join(parts) + (f"  [{breakdown}]" if breakdown else "")
 
 
-def run_with_progress(plan, console, verbose: bool = False) -> int:
+def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> int:
     """Prepare and run `plan`, showing progress (a live bar on a terminal, one line per step otherwise, every rank's
     output with `verbose`) and how the run ended; returns the exit code for `train`."""
+    import signal
+
     from colocate_rl.launch.execute import prepare, run
     from colocate_rl.rundir import RunDir
 
@@ -172,11 +174,39 @@ def run_with_progress(plan, console, verbose: bool = False) -> int:
     def echo(line: str) -> None:
         console.out(line, highlight=False)
 
+    def on_stop_request(signum: int) -> None:
+        console.print(
+            f"[yellow]{signal.Signals(signum).name}:[/] every rank saves a checkpoint at the next step end, then "
+            "stops (send it again to stop at once, without one)",
+            highlight=False,
+        )
+
     try:
-        result = run(plan, on_step=on_step, echo=echo if verbose else None)
+        result = run(
+            plan,
+            on_step=on_step,
+            echo=echo if verbose else None,
+            on_stop_request=on_stop_request,
+            watchdog=watchdog,
+        )
     finally:
         if progress is not None:
             progress.stop()
+    if result.stop_signal is not None and result.code != 0:
+        name = signal.Signals(result.stop_signal).name
+        if result.stopped_at is not None:
+            console.print(
+                f"stopped ({name}) at step {result.stopped_at['step']}; checkpoint: {result.stopped_at['checkpoint']}"
+                f"; resume with: colocate-rl train --resume {plan.run_dir}",
+                highlight=False,
+                soft_wrap=True,
+            )
+        else:
+            last = RunDir(plan.run_dir).complete_checkpoints()
+            where = f"the last complete checkpoint is {last[-1]}" if last else "no checkpoint was saved"
+            resume = f"; resume with: colocate-rl train --resume {plan.run_dir}" if last else ""
+            console.print(f"stopped ({name}) without a new checkpoint; {where}{resume}", highlight=False)
+        return result.code
     if result.crashed_after_done:
         console.print(
             f"[yellow]warning:[/] torchrun exited {result.torchrun_code} after the run finished and saved its model "
@@ -220,8 +250,18 @@ def validate(
 @app.command()
 @guarded
 def train(
-    recipe: RecipeArg,
+    recipe: Annotated[
+        str | None, typer.Argument(help="Recipe file, or the name of a shipped recipe (not with --resume).")
+    ] = None,
     set_: SetOpt = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume",
+            metavar="RUN_DIR",
+            help="Continue an interrupted run from its newest complete checkpoint, with its own recipe.",
+        ),
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the launch command; write nothing.")] = False,
     run_dir: Annotated[
         Path | None,
@@ -239,15 +279,35 @@ def train(
     gpu_memory: PlanMemOpt = None,
 ) -> None:
     """Train: validate the recipe, write the run directory, run torchrun with the worker on every rank."""
+    from colocate_rl.launch.watchdog import Watchdog
     from colocate_rl.pipeline import plan_run
     from colocate_rl.plan.slurm import slurm_note
     from colocate_rl.plan.sources import NODE_KEYS, parse_node_flags
     from colocate_rl.rundir import check_run_dir_free, summarize
 
     flags = parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id)
-    resolved, sources = _load(recipe, set_, gpus, gpu_memory, flags)
+    if (recipe is None) == (resume is None):
+        raise UserError("train: give a RECIPE to start a run, or --resume RUN_DIR to continue one (not both)")
+    if resume is not None:
+        if run_dir is not None:
+            raise UserError("--run-dir: a resumed run stays in its own directory; drop --run-dir")
+        from colocate_rl.pipeline import plan_resume
+        from colocate_rl.plan.host import planning_host
+
+        resolved, plan = plan_resume(
+            resume,
+            parse_sets(set_),
+            host=planning_host(gpus, gpu_memory),
+            flags=flags,
+            env=os.environ,
+            cwd=Path.cwd(),
+            python=sys.executable,
+        )
+        sources = {key: "recipe" for key in NODE_KEYS}
+    else:
+        resolved, sources = _load(recipe, set_, gpus, gpu_memory, flags)
+        plan = plan_run(resolved, run_dir, env=os.environ, now=datetime.now(), cwd=Path.cwd(), python=sys.executable)
     dist = resolved.recipe.distributed
-    plan = plan_run(resolved, run_dir, env=os.environ, now=datetime.now(), cwd=Path.cwd(), python=sys.executable)
     note = slurm_note(os.environ, dist.nnodes, sources["nnodes"])
     if dry_run:
         print(f"# run dir (not created): {plan.run_dir}")
@@ -260,6 +320,8 @@ def train(
             print(f"# note: {note}")
         for line in resolved.layout_choice.lines() if resolved.layout_choice is not None else []:
             print(f"# {line}")
+        if plan.resume_from is not None:
+            print(f"# resumes from {plan.resume_from}")
         print(plan.command_line())
         return
     if gpus is not None or gpu_memory is not None:
@@ -267,11 +329,14 @@ def train(
             f"{'--gpus' if gpus is not None else '--gpu-memory'}: only for planning (validate, train "
             "--dry-run); a real run uses the GPUs it finds"
         )
-    check_run_dir_free(plan.run_dir, plan.node_dir)
+    if plan.resume_from is None:
+        check_run_dir_free(plan.run_dir, plan.node_dir)
     if note:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     console.print(summary_table(resolved, plan.run_dir, plan.recipe_hash if dist.nnodes > 1 else ""))
-    code = run_with_progress(plan, console, verbose=verbose)
+    if plan.resume_from is not None:
+        console.print(f"resuming from {plan.resume_from}", highlight=False)
+    code = run_with_progress(plan, console, verbose=verbose, watchdog=Watchdog.for_run(resolved, plan.run_dir))
     summary = summarize(plan.run_dir)
     if summary["steps"]:
         table = Table(title="run summary")

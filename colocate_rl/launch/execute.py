@@ -10,6 +10,7 @@ Fails (UserError) before anything starts when the run directory is taken.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,24 +18,36 @@ from typing import Any
 
 from colocate_rl.launch.failures import diagnose
 from colocate_rl.launch.supervise import run_supervised
+from colocate_rl.launch.watchdog import Watchdog
 from colocate_rl.plan.launch_plan import LaunchPlan
-from colocate_rl.rundir import RunDir, read_metrics, write_run_dir
-from colocate_rl.telemetry.events import user_errors
+from colocate_rl.rundir import RunDir, read_metrics, replace_file, write_run_dir
+from colocate_rl.telemetry.events import STOPPED, read_events, user_errors
 
 
 @dataclass
 class RunResult:
     code: int  # what `train` exits with
     log: Path  # this node's train.log
-    torchrun_code: int = 0  # torchrun's own exit code
+    torchrun_code: int = 0  # torchrun's own exit code (negative: killed by that signal)
     crashed_after_done: bool = False  # torchrun failed at exit after the run finished and saved its model
     timed_out: bool = False
-    errors: list[str] = field(default_factory=list)  # what the ranks stopped on (events.jsonl)
+    seconds: float = 0.0
+    stop_signal: int | None = None  # a stop signal asked the ranks to save and stop
+    stopped_at: dict | None = None  # the `stopped` event: step and checkpoint the ranks stopped with
+    errors: list[str] = field(default_factory=list)  # what the ranks stopped on (events.jsonl), or the launcher
     hints: list[str] = field(default_factory=list)  # advice for known failures in the log
 
     def log_tail(self, lines: int = 40) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def exit_code(torchrun_code: int, stop_signal: int | None) -> int:
+    """`train`'s exit code: 130 after Ctrl-C, 143 after SIGTERM or SIGHUP (the ranks saved and stopped), 128 + N when
+    torchrun was killed by signal N, else torchrun's own."""
+    if stop_signal is not None:
+        return 130 if stop_signal == signal.SIGINT else 143
+    return 128 - torchrun_code if torchrun_code < 0 else torchrun_code
 
 
 def build_builtin_model(plan: LaunchPlan) -> None:
@@ -55,8 +68,14 @@ def build_builtin_model(plan: LaunchPlan) -> None:
 
 def prepare(plan: LaunchPlan) -> list[str]:
     """Write the run directory and build the built-in model. Returns the shared files another node wrote from a
-    different recipe (multi-node; the ranks' recipe check then stops the run)."""
-    differ = write_run_dir(plan.run_dir, plan.files, plan.node_dir)
+    different recipe (multi-node; the ranks' recipe check then stops the run). A resumed run's plan
+    (`resume_from`) rewrites its files in place, each replaced whole."""
+    if plan.resume_from is not None:
+        for name, content in plan.files.items():
+            replace_file(plan.run_dir / name, content)
+        differ = []
+    else:
+        differ = write_run_dir(plan.run_dir, plan.files, plan.node_dir)
     build_builtin_model(plan)
     return differ
 
@@ -66,11 +85,16 @@ def run(
     *,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     echo: Callable[[str], None] | None = None,
+    on_stop_request: Callable[[int], None] | None = None,
+    watchdog: Watchdog | None = None,
     timeout_s: float | None = None,
     stdin: int | None = None,
 ) -> RunResult:
-    """Run a prepared plan's torchrun under supervision until it ends; then read how it ended."""
+    """Run a prepared plan's torchrun under supervision until it ends; then read how it ended. The first stop
+    signal asks every rank to save a checkpoint at the next step end and stop (the run dir's STOP request;
+    `on_stop_request(signum)` is told), a second one ends the job at once; `watchdog` ends a job that stalls."""
     seen = 0
+    paths = RunDir(plan.run_dir)
 
     def on_tick() -> None:
         nonlocal seen
@@ -80,16 +104,47 @@ def run(
                 on_step(record)
         seen = len(records)
 
-    paths = RunDir(plan.run_dir)
+    def on_signal(signum: int) -> bool:
+        try:
+            paths.stop_request.write_text(f"{signal.Signals(signum).name}\n")
+        except OSError:
+            return False  # cannot ask the ranks: end the job now
+        if on_stop_request is not None:
+            on_stop_request(signum)
+        return True
+
     log = paths.log(plan.node_dir)
     outcome = run_supervised(
-        plan.argv, {**os.environ, **plan.env}, log, echo=echo, on_tick=on_tick, timeout_s=timeout_s, stdin=stdin
+        plan.argv,
+        {**os.environ, **plan.env},
+        log,
+        echo=echo,
+        on_tick=on_tick,
+        check=watchdog.check if watchdog is not None else None,
+        on_signal=on_signal,
+        timeout_s=timeout_s,
+        stdin=stdin,
     )
-    result = RunResult(outcome.returncode, log, torchrun_code=outcome.returncode, timed_out=outcome.timed_out)
-    if result.code != 0 and paths.done.exists() and not outcome.timed_out:
-        result.code, result.crashed_after_done = 0, True
-    if result.code != 0:
-        result.errors = user_errors(plan.run_dir)
+    result = RunResult(
+        exit_code(outcome.returncode, outcome.signal),
+        log,
+        torchrun_code=outcome.returncode,
+        timed_out=outcome.timed_out,
+        seconds=outcome.seconds,
+        stop_signal=outcome.signal,
+    )
+    paths.stop_request.unlink(missing_ok=True)
+    stopped = read_events(plan.run_dir, STOPPED)
+    result.stopped_at = stopped[-1] if stopped and outcome.signal is not None else None
+    if paths.done.exists() and not outcome.timed_out and (outcome.signal is None or outcome.returncode == 0):
+        if outcome.returncode != 0:
+            result.crashed_after_done = True
+        result.code = 0  # the run finished and saved its model (a stop request came too late to matter)
+    if outcome.error is not None:
+        result.errors.append(outcome.error)
+        result.code = result.code or 1
+    if result.code != 0 and result.stopped_at is None:
+        result.errors += user_errors(plan.run_dir)
         if paths.recipe.exists():
             from colocate_rl.recipe.load import load_recipe
 

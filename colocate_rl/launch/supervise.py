@@ -22,11 +22,16 @@ from pathlib import Path
 TICK_S = 0.5
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @dataclass(frozen=True)
 class Outcome:
     returncode: int
     timed_out: bool = False
     seconds: float = 0.0
+    signal: int | None = None  # the first stop signal this process received
+    error: str | None = None  # why the tree was ended here (the watchdog, a log that could not be written)
 
 
 def _note_descendants(proc: subprocess.Popen, seen: dict) -> None:
@@ -81,12 +86,17 @@ def run_supervised(
     *,
     echo: Callable[[str], None] | None = None,
     on_tick: Callable[[], None] | None = None,
+    check: Callable[[], str | None] | None = None,
+    on_signal: Callable[[int], bool] | None = None,
     timeout_s: float | None = None,
     cwd: Path | None = None,
     stdin: int | None = None,
 ) -> Outcome:
-    """Run `argv` with exactly `env` until it exits (or `timeout_s` passes: the tree is ended), appending its
-    output to `log_path`; `on_tick` is called about twice a second and once at the end."""
+    """Run `argv` with exactly `env` until it exits, appending its output to `log_path`; `on_tick` is called about
+    twice a second and once at the end. The tree is ended early when `timeout_s` passes, when `check()` returns a
+    reason, when the log cannot be written (a full disk: the output is still drained, so the ranks never block on
+    the pipe), or on a stop signal (SIGINT, SIGTERM, SIGHUP) — except the first one that `on_signal(signum)` takes
+    on itself (e.g. asking the ranks to save and stop); a second signal then ends the tree at once."""
     begin = time.monotonic()
     proc = subprocess.Popen(
         argv,
@@ -97,32 +107,58 @@ def run_supervised(
         cwd=cwd,
         start_new_session=True,
     )
+    state: dict = {"signal": None, "end": None, "error": None}
 
     def pump() -> None:
         assert proc.stdout is not None
-        with log_path.open("ab") as log:
-            for line in iter(proc.stdout.readline, b""):
-                log.write(line)
-                log.flush()
-                if echo is not None:
-                    echo(line.decode(errors="replace").rstrip("\n"))
+        log = None
+        try:
+            log = log_path.open("ab")
+        except OSError as e:
+            state["error"] = f"{log_path}: cannot write the run's log ({e.strerror or e}); the job was stopped"
+        for line in iter(proc.stdout.readline, b""):
+            if log is not None:
+                try:
+                    log.write(line)
+                    log.flush()
+                except OSError as e:  # keep draining the pipe: a blocked pipe would hang every rank
+                    state["error"] = (
+                        f"{log_path}: cannot write the run's log ({e.strerror or e}); the job was stopped — free "
+                        "space on that filesystem and resume from the last checkpoint"
+                    )
+                    log = None
+            if echo is not None:
+                echo(line.decode(errors="replace").rstrip("\n"))
+        if log is not None:
+            try:
+                log.close()
+            except OSError:
+                pass
 
-    def forward(signum, _frame) -> None:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signum)
+    def on_stop_signal(signum, _frame) -> None:
+        if proc.poll() is not None:
+            return
+        if state["signal"] is None:
+            state["signal"] = signum
+            if on_signal is not None and on_signal(signum):
+                return
+        state["end"] = "signal"  # a second signal, or one nobody takes on: end the tree at once
 
     copier = threading.Thread(target=pump, daemon=True)
     copier.start()
     in_main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    previous = {s: signal.signal(s, on_stop_signal) for s in STOP_SIGNALS} if in_main else {}
     seen: dict = {}
     timed_out = False
     try:
         while proc.poll() is None:
             _note_descendants(proc, seen)
             if timeout_s is not None and time.monotonic() - begin > timeout_s:
-                end_tree(proc, seen, grace_s=15)
                 timed_out = True
+            elif check is not None and state["error"] is None:
+                state["error"] = check()
+            if timed_out or state["error"] is not None or state["end"] is not None:
+                end_tree(proc, seen, grace_s=15)
                 break
             if on_tick is not None:
                 on_tick()
@@ -135,4 +171,6 @@ def run_supervised(
     copier.join(timeout=10)
     if on_tick is not None:
         on_tick()
-    return Outcome(proc.returncode, timed_out, round(time.monotonic() - begin, 1))
+    return Outcome(
+        proc.returncode, timed_out, round(time.monotonic() - begin, 1), signal=state["signal"], error=state["error"]
+    )

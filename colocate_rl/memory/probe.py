@@ -38,7 +38,13 @@ from colocate_rl.recipe.load import format_sets
 from colocate_rl.rundir import RunDir, read_metrics
 
 SEARCH_ABOVE_ESTIMATE = 0.05  # the estimate can be low by a few hundredths of the share: its top is tried first
-TRIAL_OVERRIDES = {"trainer.logging_steps": 1, "trainer.save_steps": 0, "output.save_model": False}
+TRIAL_OVERRIDES = {
+    "trainer.logging_steps": 1,
+    "checkpoint.every_steps": None,
+    "checkpoint.every_minutes": None,
+    "watchdog.step_timeout_minutes": None,
+    "output.save_model": False,
+}
 
 
 def trial_overrides(util: float, steps: int) -> dict[str, Any]:

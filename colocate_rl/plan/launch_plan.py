@@ -34,6 +34,7 @@ class LaunchPlan:
     builtin_model: dict[str, Any] | None = None  # build_model() kwargs when the model is built-in
     node_dir: str | None = None  # multi-node: "nodes/<node_rank>", this node's own files (the rest is shared)
     recipe_hash: str = ""  # hash of the resolved recipe minus node rank and run dir; equal on every node
+    resume_from: str | None = None  # `train --resume`: the checkpoint the ranks continue from
 
     def command_line(self) -> str:
         """The launch as one shell line (env assignments, then argv)."""
@@ -129,6 +130,7 @@ def make_plan(
     cwd: Path,
     cache_dir: Path,
     base_env: Mapping[str, str],
+    resume_from: str | None = None,
 ) -> LaunchPlan:
     """Everything `train` will do, decided without touching the filesystem or the environment."""
     recipe = resolved.recipe.model_copy(deep=True)
@@ -151,6 +153,7 @@ def make_plan(
         trl_args=trl_args(resolved, run_dir),
         engine=engine_options(resolved),
         recipe_hash=recipe_hash,
+        resume_from=resume_from,
     )
     if multi_node:
         # Shared by all nodes (each writes the same bytes, the first one wins): no node rank in it.
@@ -194,4 +197,5 @@ def make_plan(
         builtin_model=builtin,
         node_dir=node_dir,
         recipe_hash=recipe_hash,
+        resume_from=resume_from,
     )

@@ -22,10 +22,13 @@ class LaunchSpec:
     trl_args: dict[str, Any]  # TRL GRPOConfig/RLOOConfig arguments
     engine: EngineOptions | None  # colocate-rl's vLLM engine; None: TRL's engine or no vLLM
     recipe_hash: str  # the recipe identity the run dir's files were written for
+    resume_from: str | None = None  # `train --resume`: the checkpoint directory the ranks continue from
 
     def to_json(self) -> str:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__}
         data["engine"] = self.engine.to_json() if self.engine is not None else None
+        if self.resume_from is None:
+            del data["resume_from"]  # a fresh run's launch.json is what earlier versions wrote
         return json.dumps(data, indent=2) + "\n"
 
     @classmethod

@@ -33,9 +33,11 @@ MANAGED_TRL_FIELDS = {
     "vllm_max_model_length": "generation.max_model_length",
     "reward_weights": "rewards[*].weight",
     "model_init_kwargs": "model.dtype",
-    "save_strategy": "trainer.save_steps",
+    "save_strategy": "checkpoint.every_steps / checkpoint.every_minutes",
+    "save_steps": "checkpoint.every_steps",
+    "save_total_limit": "checkpoint.keep_last",
+    "resume_from_checkpoint": "`colocate-rl train --resume RUN_DIR`",
 }
-CHECKPOINTS_DIR = "checkpoints"  # TRL's output_dir inside the run dir
 
 
 def trl_field_names(algorithm: str) -> set[str]:
@@ -48,7 +50,7 @@ def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
     """Keyword arguments of TRL's GRPOConfig/RLOOConfig for this run (extra_args included)."""
     recipe, trainer, gen = resolved.recipe, resolved.recipe.trainer, resolved.recipe.generation
     args: dict[str, Any] = {
-        "output_dir": str(run_dir / CHECKPOINTS_DIR),
+        "output_dir": str(run_dir / rundir.CHECKPOINTS),
         "learning_rate": trainer.learning_rate,
         "per_device_train_batch_size": trainer.per_device_train_batch_size,
         "gradient_accumulation_steps": trainer.gradient_accumulation_steps,
@@ -61,7 +63,8 @@ def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
         "data_seed": trainer.seed,
         "gradient_checkpointing": resolved.gradient_checkpointing,
         "logging_steps": trainer.logging_steps,
-        "save_strategy": "steps" if trainer.save_steps else "no",
+        "save_strategy": "no",  # colocate-rl's checkpoint policy asks for each save (colocate_rl.rank.checkpoints)
+        "save_total_limit": recipe.checkpoint.keep_last,
         "report_to": list(recipe.output.report_to) or "none",
         "disable_tqdm": True,
         "bf16": resolved.precision == "bf16",
@@ -71,8 +74,6 @@ def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
         "reward_weights": [r.weight for r in recipe.rewards],
         "use_vllm": resolved.backend == "vllm",
     }
-    if trainer.save_steps:
-        args["save_steps"] = trainer.save_steps
     if resolved.deepspeed is not None:
         args["deepspeed"] = str(run_dir / rundir.DEEPSPEED)
     if resolved.backend == "vllm":

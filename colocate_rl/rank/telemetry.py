@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from colocate_rl.rundir import RunDir
+from colocate_rl.telemetry.timeline import Timeline
 
 GIB = 2**30
 
@@ -66,10 +67,16 @@ def _nvml_handle(device_index: int):
 
 class Telemetry:
     """Phase timer, memory reader and timeline writer of one rank. `clock` times the phases (seconds; tests pass
-    their own)."""
+    their own). A resumed run (`resume`) appends to the rank's timeline, its times counted from the same t0."""
 
-    def __init__(self, run_dir: Path, interval_s: float = 0.1, clock: Callable[[], float] = time.perf_counter):
-        self.run_dir, self.interval_s, self.clock = Path(run_dir), interval_s, clock
+    def __init__(
+        self,
+        run_dir: Path,
+        interval_s: float = 0.1,
+        clock: Callable[[], float] = time.perf_counter,
+        resume: bool = False,
+    ):
+        self.run_dir, self.interval_s, self.clock, self.resume = Path(run_dir), interval_s, clock, resume
         self.cuda = False
         self.handle = None
         self._process = None  # psutil.Process, made on first CPU read
@@ -177,9 +184,14 @@ class Telemetry:
         rank = trainer.accelerator.process_index
         path = RunDir(self.run_dir).timeline(rank)
         path.parent.mkdir(exist_ok=True)
-        self._file = path.open("w")
-        device = f"cuda:{torch.cuda.current_device()}" if self.cuda else "cpu"
-        self._file.write(json.dumps({"rank": rank, "device": device, "unit": "GiB", "t0": self.t0}) + "\n")
+        head = Timeline.read(path) if self.resume and path.is_file() and path.stat().st_size else None
+        if head is not None and head.t0:
+            self.t0 = head.t0  # the resumed steps continue the rank's time axis
+            self._file = path.open("a")
+        else:
+            self._file = path.open("w")
+            device = f"cuda:{torch.cuda.current_device()}" if self.cuda else "cpu"
+            self._file.write(json.dumps({"rank": rank, "device": device, "unit": "GiB", "t0": self.t0}) + "\n")
         for attr, name in TRAINER_PHASES.items():
             self.wrap(trainer, attr, name)
         engine = getattr(trainer, ENGINE_ATTR, None)

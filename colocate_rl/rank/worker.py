@@ -9,7 +9,10 @@ prints `error: ...` lines to the log and reports them in `events.jsonl`.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,7 +20,7 @@ from typing import Any
 
 from colocate_rl.errors import StaleWeightsError, UserError
 from colocate_rl.plan.launch_spec import LaunchSpec
-from colocate_rl.rundir import RunDir
+from colocate_rl.rundir import FINAL, RunDir, read_jsonl
 from colocate_rl.telemetry import events
 
 
@@ -32,7 +35,15 @@ def make_metrics_callback(path: Path, telemetry):
             self.trainer = None  # set once the trainer exists
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.start = time.time()
+            # a resumed run continues the wall clock of the steps it keeps (those up to its checkpoint)
+            kept = [
+                r.get("wall_s", 0)
+                for r in read_jsonl(path)
+                if isinstance(r.get("step"), int)
+                and r["step"] <= state.global_step
+                and isinstance(r.get("wall_s"), (int, float))
+            ]
+            self.start = time.time() - (max(kept) if kept and state.global_step else 0)
             telemetry.instrument_optimizer(self.trainer)
 
         def on_step_begin(self, args, state, control, **kwargs):
@@ -45,6 +56,12 @@ def make_metrics_callback(path: Path, telemetry):
             telemetry.close()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
+            loss = (logs or {}).get("loss")
+            if isinstance(loss, float) and not math.isfinite(loss):  # the same gathered value on every rank
+                raise UserError(
+                    f"trainer: the loss is {loss} at step {state.global_step}; training on it would only corrupt the "
+                    "model: lower trainer.learning_rate, check the rewards, or resume from an earlier checkpoint"
+                )
             if not state.is_world_process_zero or not logs:
                 return
             record: dict[str, Any] = {
@@ -88,9 +105,46 @@ def load_tokenizer(model_path: str, builtin: bool):
     return AutoTokenizer.from_pretrained(model_path, padding_side="left")
 
 
+def check_rewards(values, completions, key: str):
+    """`values` when it is one finite number (or None: no reward for that completion) per completion; else UserError
+    (a NaN reward trains with zero loss and gradient, silently)."""
+    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+        raise UserError(f"{key}: returned {got} for {len(completions)} completions; return one number each")
+    for value in values:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        ):
+            raise UserError(
+                f"{key}: returned {value!r} for a completion; a reward must be a finite number (or None to leave the "
+                "completion out of this reward)"
+            )
+    return values
+
+
+def checked_reward(fn, key: str):
+    """`fn` (sync or async, as TRL calls it) with its output checked by `check_rewards`."""
+    import inspect
+
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+
+        @functools.wraps(fn)
+        async def async_reward(*args, completions, **kwargs):
+            return check_rewards(await fn(*args, completions=completions, **kwargs), completions, key)
+
+        return async_reward
+
+    @functools.wraps(fn)
+    def reward(*args, completions, **kwargs):
+        return check_rewards(fn(*args, completions=completions, **kwargs), completions, key)
+
+    return reward
+
+
 def build_trainer(run_dir: Path):
     """Construct the TRL trainer for this rank from the run directory's files."""
     from colocate_rl.builtin_model import builtin_layout
+    from colocate_rl.rank.checkpoints import make_checkpoint_callback
     from colocate_rl.rank.same_recipe import check_same_recipe
     from colocate_rl.rank.telemetry import Telemetry
     from colocate_rl.recipe.load import load_recipe
@@ -110,10 +164,14 @@ def build_trainer(run_dir: Path):
         num_samples=data.num_samples,
         seed=recipe.trainer.seed,
     )
-    rewards = [resolve_reward(r.name, key=f"rewards[{i}].name") for i, r in enumerate(recipe.rewards)]
+    rewards = [
+        checked_reward(resolve_reward(r.name, key=f"rewards[{i}].name"), f"rewards[{i}].name {r.name}")
+        for i, r in enumerate(recipe.rewards)
+    ]
     tokenizer = load_tokenizer(launch.model_path, builtin_layout(recipe.model.name) is not None)
-    telemetry = Telemetry(run_dir)
+    telemetry = Telemetry(run_dir, resume=launch.resume_from is not None)
     callback = make_metrics_callback(paths.metrics, telemetry)
+    checkpoints = make_checkpoint_callback(run_dir, recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes)
 
     if recipe.algorithm == "grpo":
         from trl import GRPOConfig as Config
@@ -140,24 +198,34 @@ def build_trainer(run_dir: Path):
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[callback],
+        callbacks=[callback, checkpoints],
     )
     callback.trainer = trainer
     telemetry.instrument(trainer)
     merge_telemetry_into_logs(trainer, telemetry)
-    return recipe, trainer
+    return recipe, launch, trainer, checkpoints
 
 
 def run(run_dir: Path) -> None:
     """Train, save, and leave the process group cleanly (ZeRO-3 on CPU may abort at exit otherwise)."""
     import torch.distributed as dist
 
-    recipe, trainer = build_trainer(run_dir)
-    trainer.train()
-    if recipe.output.save_model:
-        trainer.save_model(str(RunDir(run_dir).final))
+    paths = RunDir(run_dir)
+    recipe, launch, trainer, checkpoints = build_trainer(run_dir)
+    if launch.resume_from is not None and trainer.is_world_process_zero():
+        step = int(Path(launch.resume_from).name.rpartition("-")[2])
+        events.emit(run_dir, events.RESUMED, step=step, checkpoint=launch.resume_from)
+    trainer.train(resume_from_checkpoint=launch.resume_from)
+    if checkpoints.stopped_at is not None:  # a stop request: the checkpoint is the result, no final model
         if trainer.is_world_process_zero():
-            trainer.processing_class.save_pretrained(str(RunDir(run_dir).final))
+            saved = paths.checkpoints / f"checkpoint-{checkpoints.stopped_at}"
+            events.emit(run_dir, events.STOPPED, step=checkpoints.stopped_at, checkpoint=str(saved))
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        return
+    if recipe.output.save_model:
+        save_final(trainer, paths)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     if trainer.is_world_process_zero():
@@ -166,6 +234,31 @@ def run(run_dir: Path) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def save_final(trainer, paths: RunDir) -> None:
+    """The final model and tokenizer, written to `final.partial/` and renamed to `final/` once complete: a save cut
+    off (a full disk) never leaves a directory that looks like a model."""
+    import shutil
+
+    import torch.distributed as dist
+
+    partial = paths.path / f"{FINAL}.partial"
+    try:
+        trainer.save_model(str(partial))
+        if trainer.is_world_process_zero():
+            trainer.processing_class.save_pretrained(str(partial))
+    except OSError as e:
+        raise UserError(
+            f"{partial}: saving the final model failed ({e.strerror or e}); free space there and resume from the last "
+            f"checkpoint: colocate-rl train --resume {paths.path}"
+        )
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    if trainer.is_world_process_zero():
+        if paths.final.exists():
+            shutil.rmtree(paths.final)
+        os.replace(partial, paths.final)
 
 
 def config_args(config_cls: type, args: dict[str, Any]) -> dict[str, Any]:

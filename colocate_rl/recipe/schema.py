@@ -53,7 +53,7 @@ def parse_size(value: int | str) -> int:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelSection(_Section):
@@ -113,7 +113,6 @@ class TrainerSection(_Section):
         "distributed.zero_stage).",
     )
     logging_steps: PositiveInt = Field(1, description="Log metrics every N steps.")
-    save_steps: NonNegativeInt = Field(0, description="Save a checkpoint every N steps (0 = only the final model).")
     extra_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other field of TRL's GRPOConfig/RLOOConfig, passed through (names checked).",
@@ -228,6 +227,28 @@ class DistributedSection(_Section):
     )
 
 
+class CheckpointSection(_Section):
+    """Checkpoints that `colocate-rl train --resume RUN_DIR` continues from: model, optimizer, scheduler, RNG and
+    the position in the data. A stop request (Ctrl-C, SIGTERM, SIGHUP, Slurm's pre-timeout signal) also saves one."""
+
+    every_steps: PositiveInt | None = Field(None, description="Save every N optimizer steps (null: by time only).")
+    every_minutes: PositiveFloat | None = Field(
+        30.0, description="Save at the first step end this many minutes after the last save (null: by steps only)."
+    )
+    keep_last: PositiveInt = Field(2, description="Checkpoints kept in <run_dir>/checkpoints; older ones are deleted.")
+
+
+class WatchdogSection(_Section):
+    """Stops a job whose ranks make no progress, naming the rank that is stuck."""
+
+    step_timeout_minutes: PositiveFloat | None = Field(
+        30.0, description="Longest a rank may go between two step ends (null: no watchdog)."
+    )
+    start_timeout_minutes: PositiveFloat = Field(
+        60.0, description="Longest until a rank ends its first step (model load, engine start, compilation)."
+    )
+
+
 class OutputSection(_Section):
     """Where results go."""
 
@@ -249,4 +270,6 @@ class Recipe(_Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     generation: GenerationSection = Field(default_factory=GenerationSection)
     distributed: DistributedSection = Field(default_factory=DistributedSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    watchdog: WatchdogSection = Field(default_factory=WatchdogSection)
     output: OutputSection = Field(default_factory=OutputSection)

@@ -8,6 +8,9 @@ event (lines of different ranks do not interleave). Kinds and their fields:
 - `stale_weights`: `message` — vLLM was not generating from the trainer's current weights; exit code 3.
 - `engine_memory`: `awake_gib`, `asleep_gib` (None with sleep level 0), `sleep_level`, `config` — the GPU memory the
   colocated vLLM engine took at start-up by the driver's count, and the engine settings vLLM built.
+- `checkpoint`: `step`, `path` — rank 0, once every rank saved a checkpoint (it is complete).
+- `stopped`: `step`, `checkpoint` — rank 0, when a stop request ended training at a step end with a checkpoint.
+- `resumed`: `step`, `checkpoint` — rank 0, when a resumed run starts from a checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from colocate_rl.rundir import RunDir, read_jsonl
 USER_ERROR = "user_error"
 STALE_WEIGHTS = "stale_weights"
 ENGINE_MEMORY = "engine_memory"
+CHECKPOINT = "checkpoint"
+STOPPED = "stopped"
+RESUMED = "resumed"
 
 
 def emit(run_dir: Path, kind: str, **fields: Any) -> None:
