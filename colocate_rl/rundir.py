@@ -156,9 +156,19 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return read_jsonl(RunDir(Path(run_dir)).metrics)
 
 
+def step_records(run_dir: Path) -> list[dict[str, Any]]:
+    """One record per logged training step, in step order: a step redone after a resume (the run stopped past its
+    last checkpoint) replaces its earlier record."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in read_metrics(run_dir):
+        if "reward" in record and isinstance(record.get("step"), int) and not isinstance(record["step"], bool):
+            by_step[record["step"]] = record
+    return [by_step[step] for step in sorted(by_step)]
+
+
 def summarize(run_dir: Path) -> dict[str, Any]:
     """Steps, reward first → last and training wall time from `metrics.jsonl`."""
-    records = [r for r in read_metrics(run_dir) if "reward" in r]
+    records = step_records(run_dir)
     if not records:
         return {"steps": 0}
     return {

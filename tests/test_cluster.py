@@ -4,6 +4,7 @@ simulated nodes (two `colocate-rl train` processes) training together on one mac
 import json
 import os
 import re
+import signal
 import socket
 import stat
 import subprocess
@@ -411,7 +412,9 @@ def test_slurm_script_dry_run_prints_each_node_command(tmp_path):
     hashes = set()
     for node in (0, 1):
         block = out.split(f"# node {node} (")[1].split("# node ")[0]
-        assert block.split("\n")[0].endswith("colocate-rl train quickstart --set trainer.max_steps=3 --dry-run")
+        assert block.split("\n")[0].endswith(
+            "colocate-rl train quickstart --set trainer.max_steps=3 --dry-run --run-dir runs/quickstart-4242"
+        )
         assert "# distributed.nnodes = 2  (Slurm SLURM_STEP_NUM_NODES)" in block
         assert f"# distributed.node_rank = {node}  (Slurm SLURM_NODEID)" in block
         assert "# distributed.rdzv_endpoint = gpu07:29500  (Slurm first host of SLURM_STEP_NODELIST" in block
@@ -425,6 +428,50 @@ def test_slurm_script_dry_run_prints_each_node_command(tmp_path):
         hashes.add(block.split("# recipe hash: ")[1].split()[0])
     assert len(hashes) == 1  # both nodes computed the same recipe
     assert not (tmp_path / "runs").exists()
+
+
+def test_slurm_script_requeues_after_a_stop_and_resumes_when_started_again(tmp_path):
+    """Slurm's pre-timeout SIGTERM reaches the script: it passes it to srun (here a stand-in whose task exits 143, as
+    `train` does after its ranks saved a checkpoint) and requeues the job; started again with the same job id and a
+    complete checkpoint in the run dir, it resumes instead of starting over."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> {tmp_path / "srun-args"}\n'
+        "trap 'exit 143' TERM\n"
+        f"touch {tmp_path / 'started'}\n"
+        "while true; do sleep 0.1; done\n"
+    )
+    (bin_dir / "scontrol").write_text(f'#!/usr/bin/env bash\necho "$*" >> {tmp_path / "scontrol-args"}\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = script_env(PATH=f"{bin_dir}:{VENV_BIN}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_NNODES="2")
+    script = str(ROOT / "examples/slurm.sbatch")
+    proc = subprocess.Popen(["bash", script, "quickstart"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    hang_guard = time.monotonic() + 60  # not a speed check: only ends a hung test
+    while not (tmp_path / "started").exists():
+        assert proc.poll() is None and time.monotonic() < hang_guard, proc.stdout.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out
+    assert (tmp_path / "scontrol-args").read_text() == "requeue 77\n"
+    assert "stopped with a checkpoint in runs/quickstart-77; requeueing" in out
+    assert (tmp_path / "srun-args").read_text().split("\n")[0].endswith("train quickstart --run-dir runs/quickstart-77")
+    checkpoint = tmp_path / "runs" / "quickstart-77" / "checkpoints" / "checkpoint-6"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "colocate_rl_complete.json").write_text("{}")
+    (tmp_path / "started").unlink()
+    again = subprocess.Popen(["bash", script, "quickstart"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    while not (tmp_path / "started").exists():
+        assert again.poll() is None and time.monotonic() < hang_guard, again.stdout.read()
+        time.sleep(0.05)
+    again.send_signal(signal.SIGTERM)
+    again.communicate(timeout=60)
+    assert (
+        (tmp_path / "srun-args").read_text().splitlines()[1].endswith("colocate-rl train --resume runs/quickstart-77")
+    )
 
 
 def test_slurm_script_outside_slurm_fails_clearly(tmp_path):

@@ -102,8 +102,10 @@ sys.exit(run_with_progress(plan, Console()))
 """
 
 
-def test_sigterm_is_forwarded_to_the_ranks(tmp_path):
-    """Slurm's scancel sends SIGTERM to the launcher: the whole torchrun group must get it."""
+def test_a_stop_signal_asks_the_ranks_first_and_a_second_one_ends_them(tmp_path):
+    """Slurm's scancel (or its pre-timeout signal) sends SIGTERM to the launcher: the first one writes the run dir's
+    STOP request for the ranks (they save a checkpoint at the next step end and stop; this stand-in rank ignores
+    it), a second one sends SIGTERM to the whole torchrun group; `train` exits 143."""
     run_dir = tmp_path / "run"
     (tmp_path / "rank.py").write_text(RANK)
     (tmp_path / "launcher.py").write_text(LAUNCHER)
@@ -113,5 +115,10 @@ def test_sigterm_is_forwarded_to_the_ranks(tmp_path):
         assert proc.poll() is None and time.monotonic() < hang_guard, "the rank never got ready"
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 7
+    while not (run_dir / "STOP").exists():
+        assert proc.poll() is None and time.monotonic() < hang_guard, "no stop request was written"
+        time.sleep(0.05)
+    assert (run_dir / "STOP").read_text() == "SIGTERM\n" and not (run_dir / "got-term").exists()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
     assert (run_dir / "got-term").exists()

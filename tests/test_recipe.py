@@ -66,7 +66,7 @@ def errors_of(data, host=CPU):
         (
             with_(bogus=1),
             "bogus: unknown key; known keys here: name, algorithm, model, data, rewards, trainer, "
-            "generation, distributed, output",
+            "generation, distributed, checkpoint, watchdog, output",
         ),
     ],
 )

@@ -143,6 +143,9 @@ def run(
     if outcome.error is not None:
         result.errors.append(outcome.error)
         result.code = result.code or 1
+    elif outcome.returncode < 0 and outcome.signal is None:
+        name = signal.Signals(-outcome.returncode).name
+        result.errors.append(f"torchrun was killed by {name}; every rank it had started was ended")
     if result.code != 0 and result.stopped_at is None:
         result.errors += user_errors(plan.run_dir)
         if paths.recipe.exists():

@@ -8,11 +8,22 @@ step end, for `watchdog.start_timeout_minutes` since the launch (model load, eng
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from colocate_rl.rundir import RunDir
+
+
+def _header_pid(path: Path) -> int | None:
+    """The `pid` of a timeline's header line (read alone: timelines grow long)."""
+    try:
+        with path.open() as f:
+            head = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    return head.get("pid") if isinstance(head, dict) and isinstance(head.get("pid"), int) else None
 
 
 class Watchdog:
@@ -30,6 +41,20 @@ class Watchdog:
         self.step_timeout_s, self.start_timeout_s, self.clock = step_timeout_s, start_timeout_s, clock
         self.started = clock()
         self.progress: dict[int, tuple[int, float]] = {}  # rank → (timeline size, when it last grew)
+        self._pids: dict[int, int | None] = {}
+
+    def _halted(self, rank: int) -> str | None:
+        """The process state of a rank that is not running (stopped, zombie, dead), from its timeline's pid."""
+        import psutil
+
+        pid = self._pids.get(rank) or self._pids.setdefault(rank, _header_pid(self.paths.timeline(rank)))
+        if pid is None:
+            return None
+        try:
+            status = psutil.Process(pid).status()
+        except psutil.NoSuchProcess:
+            return "exited"
+        return status if status in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else None
 
     @classmethod
     def for_run(cls, resolved, run_dir: Path) -> Watchdog | None:
@@ -57,8 +82,13 @@ class Watchdog:
                 stuck.append((rank, size > 0, now - since))
         if not stuck:
             return None
+        # A rank that waits for a stuck one is stuck too: name first the ones that are not running at all
+        # (stopped, suspended, zombie), then the one idle longest.
+        stuck.sort(key=lambda s: (not self._halted(s[0]), -s[2]))
         rank, started, idle = stuck[0]
         what = "ended no step" if started else "did not end its first step"
+        if self._halted(rank):
+            what = f"is not running ({self._halted(rank)}) and {what}"
         others = f" (also rank {', '.join(str(r) for r, _, _ in stuck[1:])})" if len(stuck) > 1 else ""
         key = "watchdog.step_timeout_minutes" if started else "watchdog.start_timeout_minutes"
         return f"rank {rank}{others} {what} for {idle / 60:.1f} min; stopped the job (raise {key} if its steps are that slow)"

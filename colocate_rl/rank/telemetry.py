@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 import time
 from collections import defaultdict
@@ -191,7 +192,8 @@ class Telemetry:
         else:
             self._file = path.open("w")
             device = f"cuda:{torch.cuda.current_device()}" if self.cuda else "cpu"
-            self._file.write(json.dumps({"rank": rank, "device": device, "unit": "GiB", "t0": self.t0}) + "\n")
+            head = {"rank": rank, "device": device, "unit": "GiB", "t0": self.t0, "pid": os.getpid()}
+            self._file.write(json.dumps(head) + "\n")
         for attr, name in TRAINER_PHASES.items():
             self.wrap(trainer, attr, name)
         engine = getattr(trainer, ENGINE_ATTR, None)

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from colocate_rl.errors import UserError
-from colocate_rl.rundir import RunDir, read_jsonl
+from colocate_rl.rundir import RunDir, step_records
 from colocate_rl.telemetry.timeline import TIMED_PHASES, Timeline, finite, innermost_spans, read_timelines
 
 PHASES = (*TIMED_PHASES, "other")  # "other": the step's time outside every timed phase
@@ -66,7 +66,7 @@ def load_run(run_dir: Path | str) -> Run:
     if not metrics.is_file():
         what = "does not exist" if not path.exists() else "is not a run directory (no metrics.jsonl)"
         raise UserError(f"{path}: {what}; pass a directory written by `colocate-rl train`")
-    steps = [r for r in read_jsonl(metrics) if finite(r, "reward") is not None and finite(r, "step") is not None]
+    steps = [r for r in step_records(path) if finite(r, "reward") is not None]  # a redone step: its last record
     if not steps:
         raise UserError(f"{metrics}: no training step logged yet; run report again once the run has logged a step")
     return Run(path, steps, [t for t in read_timelines(path) if t.points])

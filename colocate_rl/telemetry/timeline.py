@@ -1,6 +1,7 @@
 """The timeline format and its one reader.
 
-Each rank writes `timeline/rank<N>.jsonl` (`colocate_rl.rank.telemetry`): a header `{"rank", "device", "unit", "t0"}`,
+Each rank writes `timeline/rank<N>.jsonl` (`colocate_rl.rank.telemetry`): a header `{"rank", "device", "unit", "t0",
+"pid"}`,
 then records with `t` (seconds since t0) and `mem` (GiB: NVML's used memory of the rank's GPU, or the process RSS
 on CPU), each either a sample, a phase edge (`phase`, `edge`: start/end) or a step end (`step_end`). Phases nest
 (`generate` holds `wake`, `weight_sync`, `sleep`, ...). `report` (shading, plots) and `mem-probe` (peaks per phase)
@@ -92,6 +93,7 @@ class Timeline:
     device: str = "?"
     t0: float = 0.0
     records: list[dict[str, Any]] = field(default_factory=list)
+    pid: int | None = None  # the rank's process
 
     @classmethod
     def read(cls, path: Path) -> Timeline:
@@ -103,6 +105,7 @@ class Timeline:
             rank=int(rank) if rank is not None else int(match.group(1)) if match else 0,
             device=str(head.get("device", "?")),
             t0=finite(head, "t0") or 0.0,
+            pid=head["pid"] if isinstance(head.get("pid"), int) else None,
             records=[r for r in records if "rank" not in r],
         )
 

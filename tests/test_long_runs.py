@@ -1,0 +1,211 @@
+"""Long runs that survive (issue 17) on CPU, through real torchrun: a stop signal saves a checkpoint and
+`train --resume` continues to the end with every step recorded once; killing torchrun leaves no rank behind; the
+watchdog names a stopped rank; a log that cannot be written stops the job in one line; a NaN reward stops the run.
+The fast tests at the top use stand-in processes instead of torchrun."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import NO_GPU, ROOT, assert_user_error, clean_env, cli
+
+from colocate_rl.launch.execute import RunResult, exit_code, run
+from colocate_rl.launch.supervise import run_supervised
+from colocate_rl.launch.watchdog import Watchdog
+from colocate_rl.plan.launch_plan import LaunchPlan
+from colocate_rl.rundir import CHECKPOINT_COMPLETE, RunDir, step_records
+from colocate_rl.telemetry import events
+
+HANG_GUARD_S = 600  # not a speed check: only ends a hung test
+DDP = ("--set", "distributed.deepspeed=null")  # faster to start than the quickstart's ZeRO-3 where that is not tested
+
+
+def start(run_dir: Path, *args: str) -> subprocess.Popen:
+    """`colocate-rl train ARGS --run-dir RUN_DIR` in the background (CPU, 2 ranks)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "colocate_rl", "train", *args, "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        env=clean_env(**NO_GPU),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:
+    guard = time.monotonic() + HANG_GUARD_S
+    while len(step_records(run_dir)) < steps:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < guard, "the run logged no steps"
+        time.sleep(0.2)
+
+
+def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The worker processes (colocate_rl.worker) in the launcher's process tree."""
+    return [
+        p for p in psutil.Process(proc.pid).children(recursive=True) if "colocate_rl.worker" in " ".join(p.cmdline())
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- fast
+
+
+def test_step_records_keep_the_last_record_of_a_redone_step(tmp_path):
+    rows = [(1, 0.1), (2, 0.2), (3, 0.3), (2, 0.25), (3, 0.35), (4, 0.4)]  # resumed from step 1's checkpoint
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "reward": r, "wall_s": s}) + "\n" for s, r in rows)
+        + json.dumps({"step": 4, "train_runtime": 9.0})
+        + "\n"
+    )
+    assert [(r["step"], r["reward"]) for r in step_records(tmp_path)] == [(1, 0.1), (2, 0.25), (3, 0.35), (4, 0.4)]
+
+
+def test_exit_codes():
+    assert exit_code(0, signal.SIGINT) == 130 and exit_code(0, signal.SIGTERM) == 143
+    assert exit_code(1, signal.SIGHUP) == 143  # SIGHUP (an ssh session dropped) is handled like SIGTERM
+    assert exit_code(-9, None) == 137 and exit_code(3, None) == 3
+
+
+def test_only_complete_checkpoints_count(tmp_path):
+    paths = RunDir(tmp_path)
+    for step, complete in ((2, True), (10, True), (12, False)):
+        (paths.checkpoints / f"checkpoint-{step}").mkdir(parents=True)
+        if complete:
+            (paths.checkpoints / f"checkpoint-{step}" / CHECKPOINT_COMPLETE).write_text("{}")
+    assert [p.name for p in paths.complete_checkpoints()] == ["checkpoint-2", "checkpoint-10"]
+
+
+def test_a_log_that_cannot_be_written_stops_the_job_in_one_line(tmp_path):
+    """A full disk (here /dev/full, where every write fails with ENOSPC): the output is still drained, so the child
+    never blocks on the pipe, and the job is ended with one line naming the log."""
+    child = "import sys, time\nfor i in range(100000):\n    print('x' * 200, flush=True)\ntime.sleep(300)\n"
+    outcome = run_supervised([sys.executable, "-c", child], os.environ, Path("/dev/full"))
+    assert outcome.error is not None and outcome.error.startswith("/dev/full: cannot write the run's log")
+    assert "No space left on device" in outcome.error and outcome.returncode != 0
+
+
+def test_the_watchdog_names_the_rank_that_stopped_progressing(tmp_path):
+    now = [0.0]
+    paths = RunDir(tmp_path)
+    paths.timeline_dir.mkdir()
+    for rank in (0, 1):
+        paths.timeline(rank).write_text(json.dumps({"rank": rank, "pid": 2**22 + rank}) + "\n")
+    dog = Watchdog(tmp_path, [0, 1, 2], step_timeout_s=60, start_timeout_s=600, clock=lambda: now[0])
+    assert dog.check() is None
+    now[0] = 59.0
+    with paths.timeline(0).open("a") as f:
+        f.write('{"step_end": 1}\n')
+    assert dog.check() is None
+    now[0] = 100.0  # rank 1 (pid gone) has not grown for 100 s; rank 0 for 41 s; rank 2 never started (600 s)
+    message = dog.check()
+    assert message.startswith("rank 1 is not running (exited) and ended no step for 1.7 min; stopped the job")
+    assert "watchdog.step_timeout_minutes" in message
+    first = Watchdog(tmp_path, [2], step_timeout_s=60, start_timeout_s=600, clock=lambda: now[0])
+    now[0] += 599
+    assert first.check() is None  # no timeline yet: the start allowance applies
+    now[0] += 2
+    assert first.check().startswith("rank 2 did not end its first step for 10.0 min")
+
+
+def test_the_launcher_reports_errors_the_ranks_report(tmp_path):
+    plan = LaunchPlan(run_dir=tmp_path, argv=[sys.executable, "-c", "import sys; sys.exit(5)"], env={}, files={})
+    events.emit(tmp_path, events.USER_ERROR, lines=["rewards[0].name digit_share: returned nan for a completion"])
+    result = run(plan)
+    assert isinstance(result, RunResult) and result.code == 5
+    assert result.errors == ["rewards[0].name digit_share: returned nan for a completion"]
+
+
+# ---------------------------------------------------------------------------------------------- real torchrun
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_resume_reaches_max_steps(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "quickstart", "--set", "trainer.max_steps=8")
+    wait_for_steps(proc, run_dir, 2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 143, out
+    [stopped] = events.read_events(run_dir, events.STOPPED)
+    checkpoint = RunDir(run_dir).complete_checkpoints()[-1]
+    assert stopped["checkpoint"] == str(checkpoint) and checkpoint.name == f"checkpoint-{stopped['step']}"
+    assert f"resume with: colocate-rl train --resume {run_dir}" in out
+    assert not RunDir(run_dir).done.exists() and not RunDir(run_dir).final.exists()
+
+    resumed = cli("train", "--resume", run_dir, timeout=HANG_GUARD_S)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming from {checkpoint}" in resumed.stdout
+    assert [r["step"] for r in step_records(run_dir)] == list(range(1, 9))  # every step once
+    walls = [r["wall_s"] for r in step_records(run_dir)]
+    assert walls == sorted(walls)  # the resumed steps continue the wall clock
+    assert RunDir(run_dir).done.exists() and (RunDir(run_dir).final / "config.json").is_file()
+    [event] = events.read_events(run_dir, events.RESUMED)
+    assert event["step"] == stopped["step"]
+    report = cli("report", run_dir, "--out", tmp_path / "report", timeout=HANG_GUARD_S)
+    assert report.returncode == 0, report.stderr
+    assert_user_error(cli("train", "--resume", run_dir), "the run already finished")
+
+
+@pytest.mark.slow
+def test_killing_torchrun_leaves_no_rank_alive(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "quickstart", *DDP, "--set", "trainer.max_steps=500")
+    wait_for_steps(proc, run_dir, 1)
+    ranks = ranks_of(proc)
+    torchrun = next(p for p in psutil.Process(proc.pid).children() if "torch.distributed.run" in " ".join(p.cmdline()))
+    assert len(ranks) == 2
+    torchrun.kill()
+    _, alive = psutil.wait_procs(ranks, timeout=5)
+    assert alive == [], f"ranks still alive 5 s after torchrun was killed: {[p.pid for p in alive]}"
+    out, _ = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 137, out
+    assert "torchrun was killed by SIGKILL; every rank it had started was ended" in out
+
+
+@pytest.mark.slow
+def test_the_watchdog_stops_a_job_whose_rank_is_stopped(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(
+        run_dir, "quickstart", *DDP, "--set", "trainer.max_steps=500", "--set", "watchdog.step_timeout_minutes=0.1"
+    )
+    wait_for_steps(proc, run_dir, 2)
+    ranks = ranks_of(proc)
+    stopped = next(p for p in ranks if p.environ().get("RANK") == "1")
+    stopped.suspend()
+    try:
+        out, _ = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        for p in ranks:
+            if p.is_running():
+                p.kill()
+    assert proc.returncode == 1, out
+    assert "rank 1" in out and "is not running (stopped) and ended no step for" in out
+
+
+@pytest.mark.slow
+def test_a_nan_reward_stops_the_run(tmp_path):
+    (tmp_path / "nan_reward.py").write_text(
+        "def reward(completions, **kwargs):\n    return [float('nan')] * len(completions)\n"
+    )
+    run_dir = tmp_path / "run"
+    result = cli(
+        "train",
+        "quickstart",
+        *DDP,
+        "--set",
+        "trainer.max_steps=3",
+        "--set",
+        f"rewards=[{{name: '{tmp_path / 'nan_reward.py'}:reward'}}]",
+        "--run-dir",
+        run_dir,
+        timeout=HANG_GUARD_S,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "returned nan for a completion; a reward must be a finite number" in result.stdout
+    assert not RunDir(run_dir).done.exists() and not RunDir(run_dir).final.exists()
