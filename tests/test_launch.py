@@ -36,7 +36,7 @@ def test_exit_code_is_propagated_and_files_written(tmp_path):
     assert (plan.run_dir / "recipe.yaml").read_text() == RECIPE
     assert (plan.run_dir / "launch.sh").stat().st_mode & 0o100
     assert "rank says x" in (plan.run_dir / LOG).read_text()
-    assert "training failed (torchrun exit 3)" in console.export_text()
+    assert "training failed (exit code 3)" in console.export_text()
 
 
 def test_errors_the_ranks_reported_and_hints_for_known_failures(tmp_path):
@@ -49,7 +49,7 @@ def test_errors_the_ranks_reported_and_hints_for_known_failures(tmp_path):
     plan = LaunchPlan(plan.run_dir, [*plan.argv, str(plan.run_dir)], plan.env, plan.files)
     prepare(plan)
     result = run(plan)
-    assert result.code == 1 and not result.crashed_after_done
+    assert result.code == 2 and result.torchrun_code == 1 and not result.crashed_after_done
     assert result.errors == ["nodes differ"]
     assert len(result.hints) == 1 and result.hints[0].startswith("a rank ran out of GPU memory")
     assert "CUDA out of memory" in result.log_tail()

@@ -215,7 +215,7 @@ def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> in
     if result.code != 0:
         if not verbose:
             console.print(result.log_tail(), markup=False, highlight=False)
-        console.print(f"[red]error:[/] training failed (torchrun exit {result.code}); full log: {result.log}")
+        console.print(f"[red]error:[/] training failed (exit code {result.code}); full log: {result.log}")
         for line in result.errors:
             console.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
         for line in result.hints:

@@ -21,7 +21,7 @@ from colocate_rl.launch.supervise import run_supervised
 from colocate_rl.launch.watchdog import Watchdog
 from colocate_rl.plan.launch_plan import LaunchPlan
 from colocate_rl.rundir import RunDir, read_metrics, replace_file, write_run_dir
-from colocate_rl.telemetry.events import STOPPED, read_events, user_errors
+from colocate_rl.telemetry.events import STALE_WEIGHTS, STOPPED, USER_ERROR, read_events, user_errors
 
 
 @dataclass
@@ -142,12 +142,16 @@ def run(
         result.code = 0  # the run finished and saved its model (a stop request came too late to matter)
     if outcome.error is not None:
         result.errors.append(outcome.error)
-        result.code = result.code or 1
+        result.code = 1  # ended here (the watchdog, a log that could not be written), whatever torchrun said
     elif outcome.returncode < 0 and outcome.signal is None:
         name = signal.Signals(-outcome.returncode).name
         result.errors.append(f"torchrun was killed by {name}; every rank it had started was ended")
     if result.code != 0 and result.stopped_at is None:
-        result.errors += user_errors(plan.run_dir)
+        reported = user_errors(plan.run_dir)
+        result.errors += reported
+        if reported and outcome.error is None and outcome.signal is None:  # the ranks' own verdict: 2 or 3
+            kinds = {e.get("kind") for e in read_events(plan.run_dir)}
+            result.code = 2 if USER_ERROR in kinds else 3 if STALE_WEIGHTS in kinds else result.code
         if paths.recipe.exists():
             from colocate_rl.recipe.load import load_recipe
 
