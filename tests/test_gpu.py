@@ -338,3 +338,53 @@ def test_mem_probe_measures_with_the_recipes_layout(tmp_path):
     generation = next(p for p in data["phases"] if p["phase"] == "generation")
     assert abs(generation["error_pct"]) <= 10, generation
     assert data["layout_check"]["confirmed"] is True, data["layout_check"]
+
+
+def test_stop_and_resume_with_the_colocated_engine(tmp_path):
+    """SIGTERM mid-run on one GPU: the ranks save a checkpoint and stop (exit 143); `train --resume` continues to
+    max_steps with every step recorded once, vLLM generating from the resumed weights (the weight check runs on
+    every resumed step and would stop the run otherwise)."""
+    import signal
+    import time
+
+    from colocate_rl.rundir import RunDir, step_records
+
+    run = tmp_path / "run"
+    args = ["train", "recipes/gpu-0.5b-layout.yaml", "--run-dir", str(run)]
+    for item in (*PLAIN, "generation.enforce_eager=true", "trainer.max_steps=24", "output.save_model=false"):
+        args += ["--set", item]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ONE, "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "colocate_rl", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    guard = time.monotonic() + 900
+    while len(step_records(run)) < 8:
+        assert proc.poll() is None and time.monotonic() < guard, proc.stdout.read()[-6000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 143, out[-6000:]
+    [stopped] = events.read_events(run, events.STOPPED)
+    resumed = cli(["train", "--resume", str(run)], ONE)
+    log = (run / "train.log").read_text(errors="replace")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + log[-6000:]
+    steps = step_records(run)
+    assert [r["step"] for r in steps] == list(range(1, 25))
+    after = [r for r in steps if r["step"] > stopped["step"]]
+    assert after and all(r.get("time/weight_check_s", 0) > 0 for r in after)
+    assert RunDir(run).done.exists()
+    print(
+        json.dumps(
+            {
+                "stopped_at": stopped["step"],
+                "reward": [round(r["reward"], 4) for r in steps],
+                "s_per_step_after_resume": statistics.median(r["time/step_s"] for r in after[1:]),
+                "gpu_used_gib_at_step_end": [r["mem/gpu_used_gib"] for r in steps],
+            }
+        )
+    )
