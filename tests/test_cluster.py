@@ -648,3 +648,55 @@ def test_node_with_another_recipe_fails_fast_on_every_node(tmp_path, shared):
     for run in set(runs):  # fast: both nodes stopped before their first step, however slow the machine
         assert not (run / "metrics.jsonl").exists() and not (run / "DONE").exists()
     print(f"mismatch ({'shared' if shared else 'own'} run dir) stopped both nodes in {elapsed:.1f} s")
+
+
+def node_args(node: int, port: int, *rest: str) -> list[str]:
+    return [
+        sys.executable, "-m", "colocate_rl", "train", *rest, "--nnodes", "2", "--node-rank", str(node),
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_one_node_stops_both_with_a_checkpoint_and_both_resume(tmp_path):
+    """Two nodes share a run dir: SIGTERM to node 0 alone writes the stop request every rank sees; both nodes save
+    and exit 143; `train --resume RUN_DIR` on both nodes continues to max_steps, each step recorded once."""
+    from colocate_rl.rundir import step_records
+
+    run, port = tmp_path / "run", free_port()
+    sets = ["--set", "distributed.nproc_per_node=1", "--set", "trainer.max_steps=30"]
+    procs = [
+        subprocess.Popen(
+            node_args(k, port, "recipes/quickstart.yaml", *sets, "--run-dir", str(run)),
+            cwd=ROOT,
+            env=env_of(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for k in (0, 1)
+    ]
+    guard = time.monotonic() + 600  # not a speed check: only ends a hung test
+    while len(step_records(run)) < 2:
+        assert all(p.poll() is None for p in procs) and time.monotonic() < guard, "no step logged"
+        time.sleep(0.2)
+    procs[0].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [143, 143], "\n".join(outs)
+    assert "stopped (SIGTERM) at step" in outs[0] and "by another node's stop request" in outs[1]
+    port = free_port()
+    resumed = [
+        subprocess.Popen(
+            node_args(k, port, "--resume", str(run)),
+            cwd=ROOT,
+            env=env_of(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for k in (0, 1)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in resumed]
+    assert [p.returncode for p in resumed] == [0, 0], "\n".join(outs)
+    assert [r["step"] for r in step_records(run)] == list(range(1, 31))
+    assert (run / "DONE").is_file()

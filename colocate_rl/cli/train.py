@@ -192,6 +192,14 @@ def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> in
     finally:
         if progress is not None:
             progress.stop()
+    if result.stopped_at is not None and result.stop_signal is None:
+        console.print(
+            f"stopped at step {result.stopped_at['step']} by another node's stop request; checkpoint: "
+            f"{result.stopped_at['checkpoint']}; resume with: colocate-rl train --resume {plan.run_dir}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return result.code
     if result.stop_signal is not None and result.code != 0:
         name = signal.Signals(result.stop_signal).name
         if result.stopped_at is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +115,7 @@ def run(
         return True
 
     log = paths.log(plan.node_dir)
+    started = time.time()
     outcome = run_supervised(
         plan.argv,
         {**os.environ, **plan.env},
@@ -134,8 +136,13 @@ def run(
         stop_signal=outcome.signal,
     )
     paths.stop_request.unlink(missing_ok=True)
-    stopped = read_events(plan.run_dir, STOPPED)
-    result.stopped_at = stopped[-1] if stopped and outcome.signal is not None else None
+    stopped = [
+        e for e in read_events(plan.run_dir, STOPPED) if isinstance(e.get("t"), (int, float)) and e["t"] >= started
+    ]
+    if stopped and not paths.done.exists():  # this node's signal, or another node's stop request in a shared run dir
+        result.stopped_at = stopped[-1]
+        if outcome.signal is None and outcome.returncode == 0:
+            result.code = 143
     if paths.done.exists() and not outcome.timed_out and (outcome.signal is None or outcome.returncode == 0):
         if outcome.returncode != 0:
             result.crashed_after_done = True
