@@ -142,6 +142,10 @@ def test_sigterm_saves_a_checkpoint_and_resume_reaches_max_steps(tmp_path):
     assert stopped["checkpoint"] == str(checkpoint) and checkpoint.name == f"checkpoint-{stopped['step']}"
     assert f"resume with: colocate-rl train --resume {run_dir}" in out
     assert not RunDir(run_dir).done.exists() and not RunDir(run_dir).final.exists()
+    kept = step_records(run_dir)
+    relaunch = subprocess.run(["bash", str(run_dir / "launch.sh")], capture_output=True, text=True, timeout=600)
+    assert relaunch.returncode != 0 and "already holds trained steps" in relaunch.stdout + relaunch.stderr
+    assert step_records(run_dir) == kept  # the interrupted run's launch.sh did not start it over
 
     resumed = cli("train", "--resume", run_dir, timeout=HANG_GUARD_S)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -155,6 +159,9 @@ def test_sigterm_saves_a_checkpoint_and_resume_reaches_max_steps(tmp_path):
     report = cli("report", run_dir, "--out", tmp_path / "report", timeout=HANG_GUARD_S)
     assert report.returncode == 0, report.stderr
     assert_user_error(cli("train", "--resume", run_dir), "the run already finished")
+    again = subprocess.run(["bash", str(run_dir / "launch.sh")], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert again.returncode != 0 and "the run already finished" in again.stdout + again.stderr
+    assert [r["step"] for r in step_records(run_dir)] == list(range(1, 9))  # nothing was appended
 
 
 @pytest.mark.slow

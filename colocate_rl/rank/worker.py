@@ -153,6 +153,14 @@ def build_trainer(run_dir: Path):
     paths = RunDir(run_dir)
     recipe = load_recipe(paths.recipe)
     launch = LaunchSpec.read(paths.launch_spec)
+    if paths.done.exists():
+        raise UserError(f"{run_dir}: the run already finished ({paths.done}); start a new run in another directory")
+    if launch.resume_from is None and (paths.metrics.exists() or paths.complete_checkpoints()):
+        # e.g. an interrupted run's launch.sh run again: starting over would mix two runs' steps and checkpoints
+        raise UserError(
+            f"{run_dir}: this run directory already holds trained steps; continue them with "
+            f"`colocate-rl train --resume {run_dir}`, or start a new run in another directory"
+        )
     data = recipe.data
     dataset = load_prompts(
         data.source,
