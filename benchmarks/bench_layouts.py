@@ -57,7 +57,8 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from colocate_rl.builtin_model import load_tokenizer
-from colocate_rl.tasks import digit_share, load_prompts
+from colocate_rl.prompts import load_prompts
+from colocate_rl.rewards import digit_share
 
 model, run_dir, base_url, steps = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 metrics = run_dir / "metrics.jsonl"

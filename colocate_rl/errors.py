@@ -20,3 +20,19 @@ def did_you_mean(word: str, options) -> str:
 
     match = difflib.get_close_matches(word, sorted(options), n=1)
     return f"did you mean '{match[0]}'?" if match else ""
+
+
+def hint_suffix(word: str, options) -> str:
+    """` (did you mean 'x'?)` for the closest of `options`, or ''."""
+    hint = did_you_mean(word, options)
+    return f" ({hint})" if hint else ""
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """`Type: message` on one line, with the root cause when the exception wraps another one."""
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = f"{type(exc).__name__}: {exc}" + (f" (caused by {type(root).__name__}: {root})" if root is not exc else "")
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

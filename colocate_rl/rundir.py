@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -182,17 +183,70 @@ def summarize(run_dir: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- writing
 
 
+RUN_DIR_FIX = "pass another --run-dir (or output.run_dir)"
+
+
+def _first_existing(path: Path) -> Path:
+    """`path` or the nearest ancestor that exists (as a name: a dangling link counts)."""
+    path = Path(os.path.abspath(path))
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_can_create(run_dir: Path) -> None:
+    """Fail (one line naming the path) when `run_dir`, which does not exist, cannot be created: a dangling link, a
+    file on the way, a directory this user may not write."""
+    if run_dir.is_symlink():
+        raise UserError(
+            f"output.run_dir: '{run_dir}' is a symbolic link to '{os.readlink(run_dir)}', which does not exist; "
+            f"create its target, remove the link or {RUN_DIR_FIX}"
+        )
+    base = _first_existing(run_dir)
+    if base.is_symlink() and not base.exists():
+        raise UserError(
+            f"output.run_dir: '{run_dir}' is below '{base}', a symbolic link to '{os.readlink(base)}', which does "
+            f"not exist; {RUN_DIR_FIX}"
+        )
+    if not base.is_dir():
+        raise UserError(
+            f"output.run_dir: '{run_dir}' is below '{base}', which is a file, not a directory; {RUN_DIR_FIX}"
+        )
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise UserError(
+            f"output.run_dir: cannot create '{run_dir}': '{base}' is not writable (read-only or no permission); "
+            f"{RUN_DIR_FIX}"
+        )
+
+
 def check_run_dir_free(run_dir: Path, node_dir: str | None = None) -> None:
-    """Fail if `run_dir` holds another run (results of two runs must never mix).
+    """Fail if `run_dir` holds another run (results of two runs must never mix), or cannot be created or written.
 
     One node (`node_dir` None): the directory must be missing or empty. Several nodes sharing one directory:
     the other nodes' files of this run are expected, so it fails only when this node's own `node_dir` exists,
-    the run finished (`DONE`), or it holds anything a starting run does not write (a log, metrics, a model)."""
-    if not run_dir.exists():
+    the run finished (`DONE`), or it holds anything a starting run does not write (a log, metrics, a model).
+    Every failure, an OS error included, is one line naming the path."""
+    try:
+        _check_run_dir_free(run_dir, node_dir)
+    except OSError as e:
+        raise UserError(
+            f"output.run_dir: cannot use '{e.filename or run_dir}' ({e.strerror or e}); fix its permissions or "
+            f"{RUN_DIR_FIX}"
+        )
+
+
+def _check_run_dir_free(run_dir: Path, node_dir: str | None) -> None:
+    if not os.path.exists(run_dir):
+        _check_can_create(run_dir)
         return
     fix = "pass another --run-dir (the same on every node, or a local one each) or remove it"
     if not run_dir.is_dir():
         raise UserError(f"output.run_dir: '{run_dir}' exists and is not a directory; {fix}")
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise UserError(
+            f"output.run_dir: '{run_dir}' is not writable (read-only or no permission); fix its permissions or "
+            f"{RUN_DIR_FIX}"
+        )
     entries = sorted(p.name for p in run_dir.iterdir())
     if node_dir is None:
         if entries:
@@ -214,17 +268,19 @@ def check_run_dir_free(run_dir: Path, node_dir: str | None = None) -> None:
 
 def write_shared(path: Path, content: str) -> bool:
     """Write a file all nodes write with the same bytes: the first writer wins, nothing is overwritten or seen
-    half-written. Returns whether the file now holds `content` (False: another node wrote something else)."""
+    half-written. Returns whether the file now holds `content` (False: another node wrote something else). An OS
+    error (a full disk, no permission) is raised as it is, after the temporary file is removed."""
     if not path.exists():
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(content)
         try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        except OSError:  # a filesystem without hard links
-            if not path.exists():
-                os.replace(tmp, path)
+            tmp.write_text(content)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            except OSError:  # a filesystem without hard links
+                if not path.exists():
+                    os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
     return path.read_text() == content
@@ -246,25 +302,59 @@ def replace_file(path: Path, content: str) -> None:
 def write_run_dir(run_dir: Path, files: dict[str, str], node_dir: str | None = None) -> list[str]:
     """Create the run directory and write `files` (relative name → content) into it. Several nodes: this node's
     files go to its `node_dir`, created exclusively; the shared ones are written unless present. Returns the shared
-    files that another node wrote differently (the ranks' recipe check then stops the run)."""
+    files that another node wrote differently (the ranks' recipe check then stops the run). Fails (UserError, one
+    line naming the path) when the directory is taken or an OS error (no space, no permission) stops the writing;
+    then whatever this call created is removed again."""
     check_run_dir_free(run_dir, node_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    differ = []
-    if node_dir is not None:
-        try:
-            (run_dir / node_dir).mkdir(parents=True)
-        except FileExistsError:
-            raise UserError(
-                f"output.run_dir: '{run_dir}' already has {node_dir}/ (another node started "
-                "with the same node rank?); give each node its own --node-rank"
-            )
-    for name, content in files.items():
-        path = run_dir / name
-        if node_dir is not None and not name.startswith(node_dir + "/"):
-            if not write_shared(path, content):
-                differ.append(name)
-            continue
-        path.write_text(content)
-        if name.endswith(".sh"):
-            path.chmod(0o755)
-    return differ
+    created: list[Path] = []  # what this call made, removed again if it fails
+    first_new = _first_missing(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if first_new is not None:
+            created.append(first_new)
+        differ = []
+        if node_dir is not None:
+            try:
+                (run_dir / node_dir).mkdir(parents=True)
+            except FileExistsError:
+                raise UserError(
+                    f"output.run_dir: '{run_dir}' already has {node_dir}/ (another node started "
+                    "with the same node rank?); give each node its own --node-rank"
+                )
+            created.append(run_dir / node_dir)
+        for name, content in files.items():
+            path = run_dir / name
+            if node_dir is not None and not name.startswith(node_dir + "/"):
+                existed = path.exists()
+                if not write_shared(path, content):
+                    differ.append(name)
+                if not existed:
+                    created.append(path)
+                continue
+            created.append(path)
+            path.write_text(content)
+            if name.endswith(".sh"):
+                path.chmod(0o755)
+        return differ
+    except OSError as e:
+        for path in reversed(created):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:
+                    pass
+        raise UserError(
+            f"output.run_dir: cannot write '{e.filename or run_dir}' ({e.strerror or e}); free space or fix the "
+            f"permissions, or {RUN_DIR_FIX}"
+        )
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost directory `mkdir(parents=True)` of `path` would create, or None when `path` exists."""
+    path = Path(os.path.abspath(path))
+    missing = None
+    while not os.path.lexists(path) and path != path.parent:
+        missing, path = path, path.parent
+    return missing

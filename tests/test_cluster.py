@@ -636,7 +636,8 @@ def test_node_with_another_recipe_fails_fast_on_every_node(tmp_path, shared):
     results = start_nodes(runs, [[], ["--set", "trainer.learning_rate=0.02"]], tmp_path)
     elapsed = time.perf_counter() - start
     for code, out in results:
-        assert code not in (0, 2), out  # torchrun's failure code: the ranks stopped, not the launcher
+        # the ranks stopped on the mismatch (a user error: exit 2) after the launcher started them
+        assert code == 2 and "error: training failed (exit code 2)" in out, out
         assert (
             "error: recipe mismatch between nodes: node 1 (" in out
             and "in trainer.learning_rate (0.01 on node 0, 0.02 on node 1); start every node with the same "

@@ -98,7 +98,11 @@ def test_rloo_ddp_runs(tmp_path):
 
 def test_failing_rank_propagates_exit_code_and_log_tail(tmp_path):
     """A reward that raises on the ranks: the CLI exits with torchrun's non-zero code and points at the log."""
-    (tmp_path / "boom.py").write_text("def boom(prompts, completions, **kw):\n    raise RuntimeError('boom-42')\n")
+    # fine when validation calls it on a sample completion; raises on the ranks (torchrun sets RANK)
+    (tmp_path / "boom.py").write_text(
+        "import os\n\n\ndef boom(prompts, completions, **kw):\n    if 'RANK' in os.environ:\n"
+        "        raise RuntimeError('boom-42')\n    return [0.0] * len(completions)\n"
+    )
     run_dir = tmp_path / "fail"
     result = subprocess.run(
         [

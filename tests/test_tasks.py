@@ -1,4 +1,4 @@
-"""Tests for colocate_rl.tasks: prompt datasets, reward functions, reward resolution. Offline; no model training."""
+"""Tests for colocate_rl.prompts and colocate_rl.rewards: prompt datasets, reward functions, reward resolution. Offline; no model training."""
 
 import json
 import os
@@ -9,15 +9,14 @@ import sys
 import pytest
 
 from colocate_rl.errors import UserError
-from colocate_rl.tasks import (
+from colocate_rl.prompts import BUILTIN_TASKS, load_prompts
+from colocate_rl.rewards import (
     BUILTIN_REWARDS,
-    BUILTIN_TASKS,
     answer_match,
     check_reward_spec,
     digit_share,
     format_think,
     length_penalty,
-    load_prompts,
     resolve_reward,
 )
 
@@ -58,7 +57,7 @@ def as_messages(texts):
 
 
 def test_import_is_instant():
-    code = "import sys, colocate_rl.tasks; assert not {'datasets', 'torch', 'trl'} & set(sys.modules)"
+    code = "import sys, colocate_rl.prompts, colocate_rl.rewards, colocate_rl.data_check; assert not {'datasets', 'torch', 'trl'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 
 

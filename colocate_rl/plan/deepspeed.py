@@ -12,8 +12,99 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from colocate_rl.errors import UserError
+from colocate_rl.errors import UserError, did_you_mean
 from colocate_rl.recipe.shipped import shipped_deepspeed_configs
+
+# The configuration keys of the pinned DeepSpeed (0.19; tests/test_bad_inputs.py checks them against the installed
+# one). DeepSpeed reads its top level key by key and so silently ignores a misspelt key there; it refuses an unknown
+# key of `zero_optimization` and its offload blocks, but only once the ranks start.
+DEEPSPEED_KEYS = frozenset(
+    {
+        "activation_checkpointing", "aio", "autotuning", "bf16", "bfloat16", "checkpoint", "comet", "comms_logger",
+        "communication_data_type", "compile", "csv_monitor", "data_efficiency", "data_types", "dataloader_drop_last",
+        "datastates_ckpt", "disable_allgather", "disable_python_gc", "dump_state", "expert_parallel",
+        "flops_profiler", "fp16", "gradient_accumulation_steps", "gradient_allreduce_op", "gradient_clipping",
+        "gradient_predivide_factor", "hybrid_engine", "log_level", "managed_gradient_accumulation",
+        "memory_breakdown", "optimizer", "pipeline", "prescale_gradients", "scheduler",
+        "seq_parallel_communication_data_type", "steps_per_print", "tensor_parallel", "tensorboard", "timers",
+        "torch_autocast", "train_batch_size", "train_micro_batch_size_per_gpu", "use_data_before_expert_parallelism",
+        "vocabulary_size", "wall_clock_breakdown", "wandb", "weight_quantization", "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer", "zero_optimization",
+    }
+)  # fmt: skip
+# Top-level keys whose value is a section (a mapping), as DeepSpeed and colocate-rl read them.
+DEEPSPEED_SECTIONS = frozenset({"bf16", "fp16", "bfloat16", "zero_optimization", "optimizer", "scheduler"})
+# Removed in DeepSpeed 0.19, which refuses them.
+DEEPSPEED_REMOVED_KEYS = frozenset(
+    {
+        "amp", "compression_training", "curriculum_learning", "eigenvalue", "elasticity", "graph_harvesting",
+        "nebula", "progressive_layer_drop", "quantize_training", "sparse_attention", "sparse_gradients",
+    }
+)  # fmt: skip
+ZERO_KEYS = frozenset(
+    {
+        "allgather_bucket_size", "allgather_partitions", "compute_grad_norm", "contiguous_gradients", "cpu_offload",
+        "cpu_offload_param", "cpu_offload_use_pin_memory", "elastic_checkpoint", "enable_sanity_checks",
+        "ignore_unused_parameters", "leaf_module", "legacy_stage1", "load_from_fp32_weights",
+        "log_trace_cache_warnings", "memory_efficient_linear", "offload_optimizer", "offload_param", "overlap_comm",
+        "override_module_apply", "parameter_alignment", "pipeline_loading_checkpoint", "reduce_bucket_size",
+        "reduce_scatter", "round_robin_gradients", "save_muon_momentum_buffer_in_memory", "stage",
+        "stage3_gather_fp16_weights_on_model_save", "sub_group_size", "use_multi_rank_bucket_allreduce", "zenflow",
+        "zero_hpz_partition_size", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+        "zero_quantized_weights",
+        # fields DeepSpeed also takes under their stage3_ names
+        "allgather_sequential", "stage3_allgather_sequential", "gather_16bit_weights_on_model_save",
+        "stage3_gather_16bit_weights_on_model_save", "max_live_parameters", "stage3_max_live_parameters",
+        "max_reuse_distance", "stage3_max_reuse_distance", "model_persistence_threshold",
+        "stage3_model_persistence_threshold", "module_granularity_threshold", "stage3_module_granularity_threshold",
+        "param_persistence_threshold", "stage3_param_persistence_threshold", "prefetch_bucket_size",
+        "stage3_prefetch_bucket_size", "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
+    }
+)  # fmt: skip
+ZERO_REMOVED_KEYS = frozenset({"mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param"})
+OFFLOAD_KEYS = {
+    "offload_optimizer": frozenset(
+        {
+            "buffer_count", "cpuadam_cores_perc", "device", "fast_init", "nvme_path", "pin_memory", "pipeline_read",
+            "pipeline_write", "ratio", "super_offload",
+        }
+    ),
+    "offload_param": frozenset({"buffer_count", "buffer_size", "device", "max_in_cpu", "nvme_path", "pin_memory"}),
+}  # fmt: skip
+
+
+def check_deepspeed_keys(config: Any, where: str, file: bool = False) -> list[str]:
+    """One line per key of a DeepSpeed config (or of overrides merged into one) that DeepSpeed does not know, at
+    the top level, in `zero_optimization` and in its offload blocks, and per section that is not a mapping. `where`
+    names the config: the recipe key `distributed.deepspeed_overrides`, or the JSON file (`file`)."""
+    if not isinstance(config, dict):
+        return [f"{where}: must be a mapping of DeepSpeed config keys, got {config!r}"]
+    docs = "see https://www.deepspeed.ai/docs/config-json/"
+
+    def name(path: str) -> str:  # `distributed.deepspeed_overrides.zero_optimization.stage`, `ds.json: bf16`
+        return f"{where}: {path}" if file else f"{where}.{path}"
+
+    def unknown(path: str, key: str, known: frozenset, removed: frozenset = frozenset()) -> str | None:
+        if key in removed:
+            return f"{name(path + str(key))}: removed in DeepSpeed 0.19, which refuses it; remove it"
+        if key not in known:
+            return f"{name(path + str(key))}: not a DeepSpeed config key; {did_you_mean(str(key), known) or docs}"
+        return None
+
+    problems = [unknown("", key, DEEPSPEED_KEYS, DEEPSPEED_REMOVED_KEYS) for key in config]
+    for key in DEEPSPEED_SECTIONS & set(config):
+        if config[key] is not None and not isinstance(config[key], dict):
+            problems.append(f"{name(key)}: must be a mapping (a DeepSpeed config section), got {config[key]!r}")
+    zero = config.get("zero_optimization")
+    if isinstance(zero, dict):
+        problems += [unknown("zero_optimization.", key, ZERO_KEYS, ZERO_REMOVED_KEYS) for key in zero]
+        for block, known in OFFLOAD_KEYS.items():
+            value = zero.get(block)
+            if isinstance(value, dict):
+                problems += [unknown(f"zero_optimization.{block}.", key, known) for key in value]
+            elif value is not None:
+                problems.append(f"{name('zero_optimization.' + block)}: must be a mapping or null, got {value!r}")
+    return [p for p in problems if p]
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -60,8 +151,10 @@ def load_base_config(spec: str) -> dict[str, Any]:
     names = ", ".join(shipped)
     if not path.is_file():
         raise UserError(f"distributed.deepspeed: '{spec}' is neither a shipped config ({names}) nor a JSON file")
+    from colocate_rl.recipe.load import read_text_file
+
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(read_text_file(path, "DeepSpeed config"))
     except json.JSONDecodeError as e:
         raise UserError(f"{path}:{e.lineno}:{e.colno}: invalid JSON in the DeepSpeed config: {e.msg}")
     if not isinstance(config, dict):
@@ -78,8 +171,14 @@ def build_deepspeed_config(
     offload_params: bool | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The run's DeepSpeed config. `precision` is the trainer's (`bf16`, `fp16` or `no`) and must agree."""
+    """The run's DeepSpeed config. `precision` is the trainer's (`bf16`, `fp16` or `no`) and must agree. Every key
+    of the base config and of `overrides` must be one DeepSpeed knows (`check_deepspeed_keys`)."""
     config = load_base_config(spec)
+    shipped = shipped_deepspeed_configs()
+    problems = check_deepspeed_keys(config, str(shipped.get(spec) or Path(spec).expanduser()), file=True)
+    problems += check_deepspeed_keys(overrides or {}, "distributed.deepspeed_overrides")
+    if problems:
+        raise UserError(*problems)
     zero = config.setdefault("zero_optimization", {})
     if zero_stage is not None:
         zero["stage"] = zero_stage

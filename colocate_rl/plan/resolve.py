@@ -2,28 +2,34 @@
 
 `bind_to_host` decides everything that depends on the machine (ranks per node, generation backend, device,
 precision, the DeepSpeed JSON) and checks what needs the planned world size. It reads the files the
-recipe names (DeepSpeed JSON, data file, reward modules) but writes nothing. All problems are raised
-together in one UserError.
+recipe names (DeepSpeed JSON, the model's config.json, the data file's first rows, reward modules), calls each
+reward once on a sample completion, and checks `trainer.extra_args` against TRL's field types, but writes nothing
+and downloads nothing (a hub dataset is not opened). All problems are raised together in one UserError.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from colocate_rl.builtin_model import builtin_layout
-from colocate_rl.errors import UserError, did_you_mean
+from colocate_rl.errors import UserError
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deepspeed_config
 from colocate_rl.plan.engine_options import ENGINE_ONLY_KEYS
 from colocate_rl.plan.host import Host
-from colocate_rl.plan.trl_args import MANAGED_TRL_FIELDS, trl_field_names
+from colocate_rl.plan.trl_args import check_extra_args
 from colocate_rl.recipe.schema import Recipe
 
 if TYPE_CHECKING:
+    from colocate_rl.data_check import DataSample
     from colocate_rl.memory.autolayout import LayoutChoice
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+# Ranks per node on a machine without GPU: at most its CPU cores, but never fewer than a GPU node's ranks, so that a
+# GPU recipe (8 ranks per node) still validates and dry-runs on a small CPU machine such as CI's.
+MIN_CPU_RANK_LIMIT = 8
 
 
 @dataclass(frozen=True)
@@ -47,23 +53,6 @@ class Resolved:
         return self.recipe.distributed.nnodes * self.nproc_per_node
 
 
-def _check_extra_args(recipe: Recipe) -> list[str]:
-    problems = []
-    known = trl_field_names(recipe.algorithm)
-    owned = set(type(recipe.trainer).model_fields) - {"extra_args"}
-    config_name = "GRPOConfig" if recipe.algorithm == "grpo" else "RLOOConfig"
-    for key in recipe.trainer.extra_args:
-        path = f"trainer.extra_args.{key}"
-        if key in owned:
-            problems.append(f"{path}: set it as trainer.{key} instead")
-        elif key in MANAGED_TRL_FIELDS:
-            problems.append(f"{path}: colocate-rl sets this itself; use {MANAGED_TRL_FIELDS[key]}")
-        elif key not in known:
-            hint = did_you_mean(key, known) or f"see TRL's {config_name} for valid names"
-            problems.append(f"{path}: not a field of TRL {config_name}; {hint}")
-    return problems
-
-
 def _check_model(recipe: Recipe) -> tuple[str | None, list[str]]:
     name = recipe.model.name
     try:
@@ -73,39 +62,86 @@ def _check_model(recipe: Recipe) -> tuple[str | None, list[str]]:
     if layout is not None:
         return layout, []
     path = Path(name).expanduser()
-    looks_local = name.startswith((".", "/", "~")) or path.exists()
-    if looks_local and not (path / "config.json").is_file():
+    looks_local = name.startswith((".", "/", "~")) or os.path.exists(path)  # never raises, unlike Path.exists
+    config = path / "config.json"
+    if looks_local and not os.path.lexists(config):
         return None, [
             f"model.name: '{name}' is not a model directory (no config.json); "
             "give a local model directory, a hub id, or builtin:tiny"
         ]
+    if looks_local:
+        return None, _check_model_config(config)
     return None, []
 
 
-def _check_data(recipe: Recipe) -> list[str]:
-    source = recipe.data.source
-    if source.startswith("builtin:"):
-        from colocate_rl.tasks import BUILTIN_TASKS
+def _check_model_config(config: Path) -> list[str]:
+    """A local model's config.json, read as transformers reads it: a JSON object naming its `model_type`."""
+    import json
 
-        task = source.removeprefix("builtin:")
-        if task not in BUILTIN_TASKS:
-            return [
-                f"data.source: unknown built-in task '{task}'; choose one of: "
-                + ", ".join(f"builtin:{k}" for k in BUILTIN_TASKS)
-            ]
-        return []
-    if source.endswith(DATA_SUFFIXES) and not Path(source).expanduser().is_file():
-        return [f"data.source: file '{source}' not found; check the path (relative to the current directory)"]
+    from colocate_rl.recipe.load import read_text_file
+
+    fix = "fix the file, or point model.name at a complete model directory"
+    try:
+        data = json.loads(read_text_file(config, "model config", limit=16 << 20))
+    except UserError as e:
+        return [f"model.name: {line}" for line in e.lines]
+    except json.JSONDecodeError as e:
+        return [f"model.name: {config}:{e.lineno}:{e.colno}: invalid JSON ({e.msg}); {fix}"]
+    if not isinstance(data, dict):
+        kind = "a list" if isinstance(data, list) else "text" if isinstance(data, str) else repr(data)
+        return [f"model.name: {config} holds {kind}, not a JSON object; {fix}"]
+    if not isinstance(data.get("model_type"), str) or not data["model_type"]:
+        return [f"model.name: {config} names no model_type (transformers needs it to pick the model class); {fix}"]
     return []
 
 
-def _check_rewards(recipe: Recipe) -> list[str]:
-    from colocate_rl.tasks import check_reward_spec
+def _check_data(recipe: Recipe) -> tuple[DataSample | None, list[str]]:
+    """The prompts' first rows as the ranks will load them (None for a hub dataset, not opened before launch)."""
+    from colocate_rl.data_check import inspect_data
+
+    data = recipe.data
+    try:
+        sample = inspect_data(
+            data.source,
+            prompt_field=data.prompt_field,
+            chat=data.chat,
+            system_prompt=data.system_prompt,
+            num_samples=data.num_samples,
+            seed=recipe.trainer.seed,
+        )
+    except UserError as e:
+        return None, e.lines
+    return sample, []
+
+
+def _check_rewards(recipe: Recipe, sample: DataSample | None) -> list[str]:
+    """Every reward imports, finds the columns it needs in the data, and returns one number per completion when
+    called once on a sample completion of the data's first rows (not for a hub dataset, which is not opened)."""
+    from colocate_rl.data_check import check_reward_on_sample
+    from colocate_rl.rewards import resolve_reward, reward_columns
 
     problems = []
     for i, reward in enumerate(recipe.rewards):
+        key = f"rewards[{i}].name"
         try:
-            check_reward_spec(reward.name, key=f"rewards[{i}].name")
+            fn = resolve_reward(reward.name, key=key)
+        except UserError as e:
+            problems.extend(e.lines)
+            continue
+        if sample is None:
+            continue
+        missing = [c for c in reward_columns(reward.name) if c not in sample.columns]
+        if missing:
+            problems.append(
+                f"{key}: {reward.name} needs the column(s) {', '.join(missing)} and data.source "
+                f"'{recipe.data.source}' has only {', '.join(sample.columns)}; use data with an {missing[0]} column "
+                "(e.g. builtin:arithmetic) or another reward"
+            )
+            continue
+        try:
+            check_reward_on_sample(
+                fn, reward.name, sample, key=key, chat=recipe.data.chat, max_steps=recipe.trainer.max_steps
+            )
         except UserError as e:
             problems.extend(e.lines)
     return problems
@@ -158,6 +194,13 @@ def _ranks(recipe: Recipe, host: Host) -> tuple[int, list[str]]:
         return nproc, [
             f"distributed.nproc_per_node: {nproc} ranks but this machine has {host.gpu_count} GPU(s); "
             "use auto or at most the GPU count"
+        ]
+    limit = max(host.cpu_count, MIN_CPU_RANK_LIMIT)
+    if not host.gpu_count and nproc > limit:
+        where = "the planned machine" if host.assumed else "this machine"
+        return nproc, [
+            f"distributed.nproc_per_node: {nproc} ranks, each a process on a CPU core, but {where} has no GPU "
+            f"and {host.cpu_count} CPU core(s); use at most {limit} (auto = 2), or plan for GPUs with --gpus N"
         ]
     return nproc, []
 
@@ -274,8 +317,9 @@ def bind_to_host(recipe: Recipe, host: Host) -> Resolved:
     deepspeed, deepspeed_problems = _deepspeed(recipe, precision)
     layout, model_problems = _check_model(recipe)
     problems += backend_problems + precision_problems + _check_batch(recipe, nproc) + _check_nodes(recipe)
-    problems += deepspeed_problems + model_problems + _check_data(recipe) + _check_rewards(recipe)
-    problems += _check_extra_args(recipe)
+    sample, data_problems = _check_data(recipe)
+    problems += deepspeed_problems + model_problems + data_problems + _check_rewards(recipe, sample)
+    problems += check_extra_args(recipe)
     if recipe.distributed.zero_stage != "auto":  # auto: the engine's constraints filter the layout candidates
         problems += check_engine(recipe, deepspeed)
     if problems:

@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from colocate_rl import rundir
+from colocate_rl.errors import did_you_mean
 
 if TYPE_CHECKING:
     from colocate_rl.plan.resolve import Resolved
+    from colocate_rl.recipe.schema import Recipe
 
 # TRL config fields `trl_args` sets from something other than a `trainer.*` key of the same name, and the recipe
 # key that controls each (`trainer.*` fields are owned by their section: see plan.resolve).
@@ -87,3 +89,90 @@ def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
             args["vllm_max_model_length"] = gen.max_model_length
     args.update(trainer.extra_args)
     return args
+
+
+KIND_NAMES = {
+    "bool": "true/false",
+    "int": "a whole number",
+    "float": "a number",
+    "str": "text",
+    "null": "null",
+    "list": "a list",
+    "dict": "a mapping",
+}
+
+
+def trl_value_kinds(algorithm: str) -> dict[str, dict[str, list]]:
+    """Field → {"kinds": the JSON kinds TRL takes (bool, int, float, str, null, list, dict or any), "choices": the
+    strings it takes, when it checks them} of GRPOConfig / RLOOConfig (the pinned TRL; checked by a test)."""
+    import json
+    from importlib import resources
+
+    data = json.loads(resources.files("colocate_rl.recipe").joinpath("trl_fields.json").read_text())
+    return data["types"][algorithm]
+
+
+def _value_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    for kind, types in (("bool", bool), ("int", int), ("float", float), ("str", str), ("list", list), ("dict", dict)):
+        if isinstance(value, types):
+            return kind
+    return "any"
+
+
+def _check_trl_value(path: str, value: Any, spec: dict[str, list], config_name: str) -> str | None:
+    """Why TRL would refuse `value` for a field of kinds and choices `spec`, as one line, or None."""
+    kinds, choices = set(spec["kinds"]), spec.get("choices")
+    kind = _value_kind(value)
+    accepted = "any" in kinds or kind in kinds or (kind == "int" and "float" in kinds)
+    if accepted and not (kind == "str" and choices and value not in choices):
+        return None
+    wanted = [f"'{c}'" for c in choices] if choices and "str" in kinds else []
+    wanted += [KIND_NAMES[k] for k in sorted(kinds) if k != "str" or not wanted]
+    hint = ""
+    if kind == "str" and choices and value not in choices:
+        hint = did_you_mean(value, choices)
+    elif kind == "str" and kinds & {"int", "float"}:
+        try:
+            float(value)
+        except ValueError:
+            pass
+        else:
+            exponent = "e" in value.lower() and "float" in kinds
+            hint = (
+                f"YAML reads {value} as text: write it with a decimal point and a signed exponent, such as 1.0e-8"
+                if exponent
+                else "remove the quotes"
+            )
+    elif kind == "float" and "int" in kinds:
+        hint = "write a whole number"
+    shown = "a mapping" if kind == "dict" else "a list" if kind == "list" else repr(value)
+    return (
+        f"{path}: TRL's {config_name} takes {', '.join(wanted[:-1]) + ' or ' if len(wanted) > 1 else ''}{wanted[-1]} "
+        f"here, got {shown}" + (f"; {hint}" if hint else "; fix the value")
+    )
+
+
+def check_extra_args(recipe: Recipe) -> list[str]:
+    """Problems with `trainer.extra_args`: keys colocate-rl or the trainer section owns, names TRL does not have,
+    values of the wrong kind for the pinned TRL."""
+    problems = []
+    known = trl_field_names(recipe.algorithm)
+    value_kinds = trl_value_kinds(recipe.algorithm)
+    owned = set(type(recipe.trainer).model_fields) - {"extra_args"}
+    config_name = "GRPOConfig" if recipe.algorithm == "grpo" else "RLOOConfig"
+    for key in recipe.trainer.extra_args:
+        path = f"trainer.extra_args.{key}"
+        if key in owned:
+            problems.append(f"{path}: set it as trainer.{key} instead")
+        elif key in MANAGED_TRL_FIELDS:
+            problems.append(f"{path}: colocate-rl sets this itself; use {MANAGED_TRL_FIELDS[key]}")
+        elif key not in known:
+            hint = did_you_mean(key, known) or f"see TRL's {config_name} for valid names"
+            problems.append(f"{path}: not a field of TRL {config_name}; {hint}")
+        elif key in value_kinds:
+            problem = _check_trl_value(path, recipe.trainer.extra_args[key], value_kinds[key], config_name)
+            if problem:
+                problems.append(problem)
+    return problems

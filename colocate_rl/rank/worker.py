@@ -144,11 +144,12 @@ def checked_reward(fn, key: str):
 def build_trainer(run_dir: Path):
     """Construct the TRL trainer for this rank from the run directory's files."""
     from colocate_rl.builtin_model import builtin_layout
+    from colocate_rl.prompts import load_prompts
     from colocate_rl.rank.checkpoints import make_checkpoint_callback
     from colocate_rl.rank.same_recipe import check_same_recipe
     from colocate_rl.rank.telemetry import Telemetry
     from colocate_rl.recipe.load import load_recipe
-    from colocate_rl.tasks import load_prompts, resolve_reward
+    from colocate_rl.rewards import resolve_reward
 
     paths = RunDir(run_dir)
     recipe = load_recipe(paths.recipe)

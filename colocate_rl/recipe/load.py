@@ -7,6 +7,9 @@ nothing here touches the filesystem beyond reading the recipe.
 from __future__ import annotations
 
 import copy
+import os
+import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,30 +21,194 @@ from colocate_rl.errors import UserError
 from colocate_rl.recipe.messages import format_errors
 from colocate_rl.recipe.schema import Recipe
 
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a small text file; anything larger is not one
+MAX_YAML_ALIASES = 100  # `*name` references in one document: a recipe needs a handful
+MAX_YAML_VALUES = 100_000  # values after expanding aliases (a "billion laughs" document expands to 10**9)
+MAX_YAML_DEPTH = 64  # nesting of mappings and lists
+# Key names that hold a secret: one of these words (`hub_token`, `db_password`) or phrases (`wandb_api_key`), but not
+# a tokenizer's special tokens (`pad_token`, `eos_token_id`).
+SECRET_WORDS = {"token", "password", "passwd", "secret", "apikey", "credentials"}
+SECRET_PHRASES = ("api_key", "private_key", "access_key")
+NOT_SECRET = re.compile(r"^(pad|eos|bos|unk|sep|cls|mask)_token$|token_ids?$")
+
+
+class _YamlProblem(yaml.YAMLError):
+    """A YAML document this package refuses to read, with the line it is about (a ready message)."""
+
+    def __init__(self, message: str, mark: yaml.Mark | None = None):
+        super().__init__(message)
+        self.message, self.mark = message, mark
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping (PyYAML keeps the last silently) and more
+    than MAX_YAML_ALIASES aliases."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_YAML_ALIASES:
+                raise _YamlProblem(
+                    f"more than {MAX_YAML_ALIASES} YAML aliases (*name); write the values out instead",
+                    self.peek_event().start_mark,
+                )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, yaml.Mark] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` merges; its keys may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    earlier = first.get(key)
+                except TypeError:  # an unhashable key: PyYAML reports it
+                    continue
+                if earlier is not None:
+                    raise _YamlProblem(
+                        f"duplicate key '{key}' (first at line {earlier.line + 1}); keep one of them (YAML would "
+                        "silently use the last)",
+                        key_node.start_mark,
+                    )
+                first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
+def _check_expansion(data: Any) -> str | None:
+    """Why `data` (as loaded, aliases shared) is too big or deep once its aliases are expanded, or None."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(obj: Any, depth: int) -> int:
+        if not isinstance(obj, (dict, list)):
+            return 1
+        if depth > MAX_YAML_DEPTH:
+            raise _YamlProblem(f"nested deeper than {MAX_YAML_DEPTH} levels; a recipe is a few levels deep")
+        key = id(obj)
+        if key in active:
+            raise _YamlProblem("a YAML alias refers to a value that contains it (a recursive value); remove it")
+        if key not in sizes:
+            active.add(key)
+            items = obj.values() if isinstance(obj, dict) else obj
+            total = 1
+            for item in items:
+                total += size(item, depth + 1)
+                if total > MAX_YAML_VALUES:
+                    raise _YamlProblem(
+                        f"expands to more than {MAX_YAML_VALUES} values through YAML aliases (an alias bomb?); "
+                        "write the values out or use fewer aliases"
+                    )
+            active.discard(key)
+            sizes[key] = total
+        return sizes[key]
+
+    try:
+        size(data, 0)
+    except _YamlProblem as e:
+        return e.message
+    return None
+
+
+def _parse_yaml(text: str) -> Any:
+    """YAML text → data under the recipe's rules; raises _YamlProblem (a rule) or yaml.YAMLError (syntax)."""
+    try:
+        data = yaml.load(text, Loader=_RecipeLoader)  # a SafeLoader subclass: plain data only
+    except RecursionError:
+        raise _YamlProblem("nested too deeply; a recipe is a few levels deep")
+    problem = _check_expansion(data)
+    if problem is not None:
+        raise _YamlProblem(problem)
+    return data
+
+
+def load_yaml_text(text: str, source: str) -> Any:
+    """Parse YAML text with the recipe's rules: no key twice in one mapping, at most MAX_YAML_ALIASES aliases, at
+    most MAX_YAML_VALUES values once aliases are expanded, no deeper than MAX_YAML_DEPTH. Fails (UserError naming
+    `source` and the line) otherwise."""
+    try:
+        return _parse_yaml(text)
+    except _YamlProblem as e:
+        where = f"{source}:{e.mark.line + 1}" if e.mark is not None else source
+        raise UserError(f"{where}: {e.message}")
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        raise UserError(f"{where}: invalid YAML: {e.problem or e.context}; fix the syntax at that line")
+    except yaml.YAMLError as e:
+        raise UserError(f"{source}: invalid YAML: {' '.join(str(e).split())}")
+
+
+def read_text_file(path: Path, what: str, limit: int = MAX_RECIPE_BYTES) -> str:
+    """The UTF-8 text of a regular file of at most `limit` bytes. A FIFO, a device or a directory is refused before
+    anything is read from it (opening a FIFO for reading would block). Fails (UserError naming `path`) otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise UserError(f"{path}: {what} not found; check the path")
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory, not a {what}; give the file's path")
+    except OSError as e:
+        raise UserError(f"{path}: cannot read {what} ({e.strerror}); check the path and its permissions")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise UserError(f"{path}: is a directory, not a {what}; give the file's path")
+        raise UserError(f"{path}: is not a regular file (a FIFO, socket or device); give the path of a {what} on disk")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise UserError(f"{path}: cannot read {what} ({e.strerror}); check the file")
+    if len(data) > limit:
+        raise UserError(f"{path}: larger than {limit // 1024} KiB, too large for a {what}; check the path")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); save the {what} as UTF-8")
+
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    """Parse a recipe file into a mapping. Fails (UserError) on a missing file, YAML syntax or a non-mapping."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
+    """Parse a recipe file into a mapping. Fails (UserError) on a missing or non-regular file, a file that is not
+    UTF-8, YAML syntax, a duplicate key, too many aliases or a non-mapping."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
         raise UserError(
             f"{path}: recipe file not found; check the path or run `colocate-rl recipes` to list shipped ones"
         )
-    except OSError as e:
-        raise UserError(f"{path}: cannot read recipe ({e.strerror})")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise UserError(f"{where}: invalid YAML: {e.problem or e.context}; fix the syntax at that line")
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: invalid YAML: {e}")
+    data = load_yaml_text(read_text_file(path, "recipe"), str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"{path}: a recipe must be a YAML mapping of sections (model:, data:, rewards:, ...)")
     return data
+
+
+def _secret_name(name: str) -> bool:
+    name = name.lower().replace("-", "_")
+    if NOT_SECRET.search(name):
+        return False
+    return bool(set(re.split(r"[^a-z0-9]+", name)) & SECRET_WORDS) or any(p in name for p in SECRET_PHRASES)
+
+
+def secret_keys(data: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of `data` whose name says they hold a secret (a token, password, API key) and that hold one (text
+    or a number; null, empty and true/false are not secrets). The recipe is copied into the run directory."""
+    found = []
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        dotted = f"{prefix}[{key}]" if isinstance(key, int) else f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, (dict, list)):
+            found += secret_keys(value, dotted)
+        elif isinstance(key, str) and _secret_name(key) and value not in (None, "") and not isinstance(value, bool):
+            found.append(dotted)
+    return found
 
 
 def parse_sets(items: list[str]) -> dict[str, Any]:
@@ -54,8 +221,10 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
         if not sep or not key or any(not part for part in key.split(".")):
             raise UserError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set trainer.max_steps=20")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
+            value = _parse_yaml(raw) if raw.strip() else ""
+        except _YamlProblem as e:
+            raise UserError(f"--set {key}: {e.message}")
+        except yaml.YAMLError:  # not YAML: the text itself
             value = raw
         overrides.pop(key, None)
         overrides[key] = value
@@ -88,11 +257,21 @@ def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[
 
 
 def parse_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
-    """Validate a mapping against the schema; every problem becomes one line of the UserError."""
+    """Validate a mapping against the schema; every problem becomes one line of the UserError. A secret in the
+    recipe (`secret_keys`) is one too: the recipe is copied into the run directory."""
+    secrets = [
+        f"{key}: looks like a secret, and the recipe is copied into the run directory (recipe.yaml, launch.json) "
+        "where anyone who can read it sees it; remove it and put it in the environment instead (HF_TOKEN, "
+        "WANDB_API_KEY, ...)"
+        for key in secret_keys(data)
+    ]
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as e:
-        raise UserError(*format_errors(e.errors(include_url=False)))
+        raise UserError(*secrets, *format_errors(e.errors(include_url=False)))
+    if secrets:
+        raise UserError(*secrets)
+    return recipe
 
 
 def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
@@ -110,8 +289,6 @@ def dump_recipe(recipe: Recipe, exclude: dict | None = None) -> str:
 def write_recipe_copy(target: Path, source: Path, overrides: Mapping[str, Any], header: str) -> None:
     """A copy of the recipe at `source` with `overrides` applied and a `# header` line, written whole or not at all
     (temporary file + rename). Fails (UserError) when the target's directory does not exist."""
-    import os
-
     if not target.parent.is_dir():
         raise UserError(f"--write: {target.parent} is not a directory; create it or choose another file name")
     text = f"# {header}\n" + yaml.safe_dump(apply_overrides(read_yaml(source), overrides), sort_keys=False)

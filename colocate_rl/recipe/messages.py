@@ -51,6 +51,22 @@ def _dotted(loc: tuple) -> str:
     return out or "recipe"
 
 
+def _message(err: dict) -> str:
+    """pydantic's message for one error, with what to write instead where pydantic's own says too little."""
+    msg = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    if err["type"] == "int_type":  # a whole number only (schema.Count): say what is wrong with what was written
+        if isinstance(value, bool):
+            return f"{msg}, not true/false"
+        if isinstance(value, float):
+            return f"{msg}: a whole number written without a decimal point or exponent"
+        if isinstance(value, str):
+            if value.strip().lstrip("+-").isdigit():
+                return f"{msg}, not text: remove the quotes"
+            return f"{msg}, unable to parse string as an integer"
+    return msg
+
+
 def format_errors(errors: list[dict]) -> list[str]:
     grouped: dict[tuple, list[dict]] = {}
     for err in errors:
@@ -73,7 +89,7 @@ def format_errors(errors: list[dict]) -> list[str]:
         elif first["type"] == "missing":
             lines.append(f"{dotted}: required key is missing; add it to the recipe")
         else:
-            msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errs))
+            msgs = list(dict.fromkeys(_message(e) for e in errs))
             value = first.get("input")
             shown = "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list) else repr(value)
             text = " or ".join(m[0].lower() + m[1:] for m in msgs)

@@ -6,7 +6,7 @@ Loading and `--set` overrides are in `colocate_rl.recipe.load`; validation error
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -16,6 +16,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    Strict,
     field_validator,
 )
 
@@ -52,6 +53,19 @@ def parse_size(value: int | str) -> int:
     return int(size)
 
 
+# Whole numbers as written: pydantic alone would take 8.0, 1.0e+9 or "8" for an int and true for 1.
+Count = Annotated[PositiveInt, Strict()]
+Index = Annotated[NonNegativeInt, Strict()]
+SEED_MAX = 2**32 - 1  # numpy's seeding (transformers' set_seed) takes 0 … 2**32 - 1
+
+
+def _whole(value: Any) -> Any:
+    """A number as written for a choice of whole numbers (`sleep_level`, `zero_stage`): true or 2.0 is refused."""
+    if isinstance(value, (bool, float)):
+        raise ValueError(f"must be written as a whole number such as 2, not {str(value).lower()}")
+    return value
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -81,7 +95,7 @@ class DataSection(_Section):
     prompt_field: str = Field("prompt", description="Column holding the prompt text.")
     chat: bool = Field(True, description="Wrap each prompt as a chat user message (the chat template is applied).")
     system_prompt: str | None = Field(None, description="System message prepended to chat prompts.")
-    num_samples: PositiveInt | None = Field(None, description="Use only the first N prompts (all when null).")
+    num_samples: Count | None = Field(None, description="Use only the first N prompts (all when null).")
 
 
 class RewardSpec(_Section):
@@ -98,21 +112,25 @@ class TrainerSection(_Section):
     """The TRL trainer's most used knobs; `extra_args` passes any other GRPOConfig/RLOOConfig field."""
 
     learning_rate: PositiveFloat = Field(1e-6, description="Optimizer learning rate.")
-    per_device_train_batch_size: PositiveInt = Field(8, description="Completions per rank per micro-batch.")
-    gradient_accumulation_steps: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
-    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group size).")
-    max_completion_length: PositiveInt = Field(256, description="Maximum generated tokens per completion.")
-    max_steps: PositiveInt = Field(100, description="Optimizer steps to run.")
+    per_device_train_batch_size: Count = Field(8, description="Completions per rank per micro-batch.")
+    gradient_accumulation_steps: Count = Field(1, description="Micro-batches per optimizer step.")
+    num_generations: Annotated[int, Strict()] = Field(
+        8, ge=2, description="Completions sampled per prompt (the group size)."
+    )
+    max_completion_length: Count = Field(256, description="Maximum generated tokens per completion.")
+    max_steps: Count = Field(100, description="Optimizer steps to run.")
     beta: NonNegativeFloat = Field(0.0, description="KL coefficient against the reference model (0 = no reference).")
     temperature: PositiveFloat = Field(1.0, description="Sampling temperature.")
-    seed: int = Field(42, description="Random seed (model init for built-in models, data order, sampling).")
+    seed: Annotated[int, Strict()] = Field(
+        42, ge=0, le=SEED_MAX, description="Random seed (model init for built-in models, data order, sampling)."
+    )
     gradient_checkpointing: bool | Literal["auto"] = Field(
         False,
         description="Recompute activations in backward to save memory; auto = off when the estimated "
         "activations fit in GPU memory, else on (tried per ZeRO stage before the next stage; see "
         "distributed.zero_stage).",
     )
-    logging_steps: PositiveInt = Field(1, description="Log metrics every N steps.")
+    logging_steps: Count = Field(1, description="Log metrics every N steps.")
     extra_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other field of TRL's GRPOConfig/RLOOConfig, passed through (names checked).",
@@ -128,10 +146,10 @@ class GenerationSection(_Section):
     vllm_gpu_memory_utilization: float = Field(
         0.3, gt=0, le=1, description="Share of each GPU's memory vLLM may take (weights + KV cache)."
     )
-    tensor_parallel_size: PositiveInt = Field(
+    tensor_parallel_size: Count = Field(
         1, description="vLLM tensor-parallel group size (contiguous ranks of one node; divides nproc_per_node)."
     )
-    max_model_length: PositiveInt | None = Field(None, description="vLLM context length (prompt + completion).")
+    max_model_length: Count | None = Field(None, description="vLLM context length (prompt + completion).")
     engine: Literal["colocate-rl", "trl"] = Field(
         "colocate-rl",
         description="Who drives the colocated vLLM engine: colocate-rl's own cycle (engine options, sleep levels, "
@@ -156,16 +174,18 @@ class GenerationSection(_Section):
             parse_size(value)
         return value
 
+    _sleep_level_whole = field_validator("sleep_level", mode="before")(_whole)
+
     enforce_eager: bool = Field(
         False,
         description="Run vLLM without CUDA graphs/torch.compile (faster start, slower decode; engine colocate-rl).",
     )
-    max_num_seqs: PositiveInt | None = Field(
+    max_num_seqs: Count | None = Field(
         None,
         description="vLLM's concurrent sequences; null = the rank's share of one generation batch "
         "(per_device_train_batch_size × tensor_parallel_size × steps per generation).",
     )
-    max_num_batched_tokens: PositiveInt = Field(
+    max_num_batched_tokens: Count = Field(
         4096, description="vLLM's tokens per scheduler step (engine colocate-rl; TRL's engine fixes 4096)."
     )
     enable_prefix_caching: bool = Field(
@@ -173,7 +193,7 @@ class GenerationSection(_Section):
         description="Reuse the KV cache of shared prompt prefixes (the "
         "num_generations copies of a prompt); engine colocate-rl.",
     )
-    weight_sync_bucket_mb: PositiveInt = Field(
+    weight_sync_bucket_mb: Count = Field(
         1024,
         description="Bytes per weight-sync bucket, MiB: parameters gathered in one collective and loaded "
         "into vLLM in one call (bounds the sync's extra memory); engine colocate-rl.",
@@ -193,11 +213,11 @@ class GenerationSection(_Section):
 class DistributedSection(_Section):
     """Processes, nodes and DeepSpeed."""
 
-    nnodes: PositiveInt = Field(1, description="Number of nodes.")
-    nproc_per_node: PositiveInt | Literal["auto"] = Field(
+    nnodes: Count = Field(1, description="Number of nodes.")
+    nproc_per_node: Count | Literal["auto"] = Field(
         "auto", description="Ranks per node; auto = the GPUs present, or 2 on a machine without GPU."
     )
-    node_rank: NonNegativeInt = Field(0, description="This node's rank (multi-node).")
+    node_rank: Index = Field(0, description="This node's rank (multi-node).")
     rdzv_backend: Literal["c10d", "static"] = Field(
         "c10d", description="torchrun rendezvous: c10d (elastic) or static (MASTER_ADDR/node rank)."
     )
@@ -226,16 +246,18 @@ class DistributedSection(_Section):
         "auto", description="auto = bf16 on GPU, no on CPU; applied to the trainer and DeepSpeed alike."
     )
 
+    _zero_stage_whole = field_validator("zero_stage", mode="before")(_whole)
+
 
 class CheckpointSection(_Section):
     """Checkpoints that `colocate-rl train --resume RUN_DIR` continues from: model, optimizer, scheduler, RNG and
     the position in the data. A stop request (Ctrl-C, SIGTERM, SIGHUP, Slurm's pre-timeout signal) also saves one."""
 
-    every_steps: PositiveInt | None = Field(None, description="Save every N optimizer steps (null: by time only).")
+    every_steps: Count | None = Field(None, description="Save every N optimizer steps (null: by time only).")
     every_minutes: PositiveFloat | None = Field(
         30.0, description="Save at the first step end this many minutes after the last save (null: by steps only)."
     )
-    keep_last: PositiveInt = Field(2, description="Checkpoints kept in <run_dir>/checkpoints; older ones are deleted.")
+    keep_last: Count = Field(2, description="Checkpoints kept in <run_dir>/checkpoints; older ones are deleted.")
 
 
 class WatchdogSection(_Section):

@@ -1,0 +1,195 @@
+"""Reward functions: the built-in ones and `resolve_reward`, which turns a recipe reward name (a built-in name,
+`package.module:function` or `path/to/file.py:function`) into a TRL reward function
+`fn(prompts, completions, **kwargs) -> list[float | None]`. Importing a reward file runs its code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+import zlib
+from decimal import Decimal
+
+from colocate_rl.errors import UserError, hint_suffix, one_line
+
+# ---------------------------------------------------------------------------------------------- rewards
+
+
+def _content_text(content) -> str:
+    if isinstance(content, list):  # multimodal parts: [{"type": "text", "text": ...}, ...]
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def completion_text(completion) -> str:
+    """The text of one completion: a string (chat=False) or the assistant messages' contents (chat=True)."""
+    if isinstance(completion, str):
+        return completion
+    return "\n".join(_content_text(m.get("content")) for m in completion if m.get("role", "assistant") == "assistant")
+
+
+_NUMBER = re.compile(r"(?:(?<!\d)-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+_THINK = re.compile(r"\s*<think>.*?</think>(.*)", re.DOTALL)
+
+
+def _last_number(text: str) -> Decimal | None:
+    found = _NUMBER.findall(text)
+    return Decimal(found[-1].replace(",", "")) if found else None
+
+
+def digit_share(prompts, completions, **kwargs) -> list[float]:
+    """Fraction of the completion's non-space characters that are digits 0-9 (0.0 when empty). Dense."""
+    rewards = []
+    for completion in completions:
+        chars = [c for c in completion_text(completion) if not c.isspace()]
+        rewards.append(sum(c in "0123456789" for c in chars) / len(chars) if chars else 0.0)
+    return rewards
+
+
+def answer_match(prompts, completions, answer=None, **kwargs) -> list[float | None]:
+    """1.0 if the completion's last number equals the `answer` column (GSM8K: the part after '####'), else 0.0.
+
+    None for rows whose answer is None. Raises UserError if the dataset has no `answer` column.
+    """
+    if answer is None:
+        raise UserError(
+            "rewards: answer_match needs an `answer` column in the dataset, which has none. "
+            "Fix: use a dataset with an answer column (e.g. builtin:arithmetic) or drop answer_match."
+        )
+    rewards = []
+    for completion, gold in zip(completions, answer, strict=True):
+        if gold is None:
+            rewards.append(None)
+            continue
+        expected = _last_number(str(gold).split("####")[-1].replace(",", ""))
+        got = _last_number(completion_text(completion))
+        rewards.append(1.0 if expected is not None and got == expected else 0.0)
+    return rewards
+
+
+def format_think(prompts, completions, **kwargs) -> list[float]:
+    """1.0 if the completion is `<think>...</think>` followed by a non-empty answer, else 0.0."""
+    rewards = []
+    for completion in completions:
+        m = _THINK.fullmatch(completion_text(completion))
+        ok = m is not None and m.group(1).strip() != "" and "<think>" not in m.group(1) and "</think>" not in m.group(1)
+        rewards.append(1.0 if ok else 0.0)
+    return rewards
+
+
+def length_penalty(prompts, completions, **kwargs) -> list[float]:
+    """-(characters / 1000) of the completion."""
+    return [-(len(completion_text(c)) / 1000) for c in completions]
+
+
+REWARD_COLUMNS = {"answer_match": ("answer",)}  # the dataset columns a built-in reward needs
+BUILTIN_REWARDS = {f.__name__: f for f in (digit_share, answer_match, format_think, length_penalty)}
+
+
+def _import_file(target: str, key: str):
+    """Import `path/to/file.py` (relative to the current directory) as a fresh module."""
+    path = os.path.abspath(os.path.expanduser(target))
+    if not target.endswith(".py"):
+        raise UserError(f"{key}: '{target}' looks like a path but is not a .py file. Fix: write 'path/to/file.py:fn'.")
+    if os.path.exists(path) and not os.path.isfile(path):  # importing a FIFO would block
+        raise UserError(
+            f"{key}: reward file '{target}' is not a regular file (a directory, FIFO, socket or device). "
+            "Fix: point at a .py file on disk."
+        )
+    if not os.path.isfile(path):
+        raise UserError(
+            f"{key}: reward file '{target}' not found (looked at {path}). "
+            f"Fix: correct the path; relative paths start from the current directory {os.getcwd()}."
+        )
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    mod_name = f"colocate_rl_user_{stem}_{zlib.crc32(path.encode()):08x}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # dataclasses, pickling etc. look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(mod_name, None)
+        raise UserError(f"{key}: importing reward file '{target}' failed: {one_line(e)}. Fix: correct it.") from e
+    return module
+
+
+def _import_module(target: str, key: str):
+    try:
+        return importlib.import_module(target)
+    except ImportError as e:
+        raise UserError(
+            f"{key}: cannot import module '{target}' ({one_line(e)}). Fix: install it or add its folder to "
+            "PYTHONPATH, or write 'path/to/file.py:function'."
+        ) from e
+    except Exception as e:
+        raise UserError(f"{key}: importing module '{target}' failed: {one_line(e)}. Fix: correct that module.") from e
+
+
+def resolve_reward(name: str, *, key: str):
+    """Return the reward function for `name`: a built-in, `package.module:function` or `path/to/file.py:function`.
+
+    The result's `__name__` (what TRL logs) is the built-in or function name. Raises UserError naming `key` for an
+    unknown built-in, a module that does not import, a missing file, a missing attribute, a class or non-callable,
+    or a function without `**kwargs` (TRL passes completion_ids, trainer_state and every dataset column by keyword).
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise UserError(f"{key}: reward name is empty. Fix: use one of {', '.join(BUILTIN_REWARDS)} or 'module:fn'.")
+    name = name.strip()
+    if ":" not in name:
+        if name in BUILTIN_REWARDS:
+            return BUILTIN_REWARDS[name]
+        raise UserError(
+            f"{key}: unknown reward '{name}'{hint_suffix(name, BUILTIN_REWARDS)}. Fix: use a built-in "
+            f"({', '.join(BUILTIN_REWARDS)}), 'package.module:function' or 'path/to/file.py:function'."
+        )
+    target, _, attr = name.rpartition(":")
+    if not target or not attr.isidentifier():
+        raise UserError(f"{key}: '{name}' is malformed. Fix: write 'package.module:function' or 'path/to/file.py:fn'.")
+    is_path = target.endswith(".py") or "/" in target or os.sep in target
+    module = _import_file(target, key) if is_path else _import_module(target, key)
+
+    if not hasattr(module, attr):
+        defined = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
+        defined = [n for n in defined if not n.startswith("_")]
+        found = f"functions defined there: {', '.join(defined)}" if defined else "it defines no public functions"
+        raise UserError(
+            f"{key}: '{target}' has no attribute '{attr}'{hint_suffix(attr, defined)}; {found}. "
+            "Fix: put the reward function's name after the ':'."
+        )
+    fn = getattr(module, attr)
+    if inspect.isclass(fn) or not callable(fn):
+        what = "a class" if inspect.isclass(fn) else f"an object of type {type(fn).__name__}"
+        raise UserError(
+            f"{key}: '{name}' is {what}, not a function. Fix: point at a function "
+            "`def f(prompts, completions, **kwargs) -> list[float]` (or at a module-level instance with __call__)."
+        )
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some C callables have no signature: let TRL find out
+        params = None
+    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params):
+        raise UserError(
+            f"{key}: reward function '{name}' takes no **kwargs, but TRL passes prompts, completions, completion_ids, "
+            f"trainer_state and every dataset column by keyword. Fix: `def {attr}(prompts, completions, **kwargs)`."
+        )
+    if not hasattr(fn, "__name__"):
+        try:
+            fn.__name__ = attr  # callable instance: log it under its attribute name
+        except (AttributeError, TypeError):
+            pass
+    return fn
+
+
+def check_reward_spec(name: str, *, key: str) -> None:
+    """Validate a reward name at recipe-check time (imports the module/file); UserError as in `resolve_reward`."""
+    resolve_reward(name, key=key)
+
+
+def reward_columns(name: str) -> tuple[str, ...]:
+    """The dataset columns the reward named `name` needs (built-ins only; a user's reward says so by failing)."""
+    return REWARD_COLUMNS.get(name.strip(), ())
