@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from colocate_rl.errors import UserError
 from colocate_rl.prompts import (
-    BUILTIN_TASKS,
     DEFAULT_BUILTIN_SIZE,
     FILE_KINDS,
     builtin_rows,
+    check_data_options,
     hint_suffix,
     json_kind,
     one_line,
@@ -195,22 +195,8 @@ def inspect_data(
     a smaller file; parquet: the first SCAN_ROWS rows); the `prompt_field` column present in them and holding text or
     chat messages. Returns what was seen, or None for a hub dataset (or a local dataset folder), which is not opened:
     nothing is downloaded before launch. Raises UserError as `load_prompts` does, naming the file and the line."""
-    if num_samples is not None and (type(num_samples) is not int or num_samples < 1):
-        raise UserError(f"data.num_samples: must be a positive integer, got {num_samples!r}. Fix: set it or remove it.")
-    if system_prompt and not chat:
-        raise UserError(
-            "data.system_prompt: set while data.chat is false; plain-text prompts have no system turn. "
-            "Fix: set data.chat: true, or put the instruction into the prompt text."
-        )
-    if not isinstance(source, str) or not source.strip():
-        raise UserError("data.source: is empty. Fix: use builtin:<task>, a .jsonl/.json/.parquet file or a Hub id.")
-    if source.startswith("builtin:"):
-        task = source[len("builtin:") :]
-        if task not in BUILTIN_TASKS:
-            raise UserError(
-                f"data.source: unknown built-in task '{task}'{hint_suffix(task, BUILTIN_TASKS)}. "
-                f"Fix: use one of {', '.join('builtin:' + t for t in BUILTIN_TASKS)}."
-            )
+    task = check_data_options(source, num_samples, system_prompt, chat)
+    if task is not None:
         if num_samples is not None and num_samples > BUILTIN_MAX_SAMPLES:
             raise UserError(
                 f"data.num_samples: {num_samples} prompts of a built-in task, generated on every rank at start. "

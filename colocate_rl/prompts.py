@@ -145,6 +145,29 @@ def to_prompt(value, row: int | str, prompt_field: str, chat: bool, system_promp
     )
 
 
+def check_data_options(source: str, num_samples: int | None, system_prompt: str | None, chat: bool) -> str | None:
+    """The `data.*` rules that need no file: returns the built-in task of a `builtin:<task>` source (None for a file or
+    hub id). Raises UserError naming the key."""
+    if num_samples is not None and (type(num_samples) is not int or num_samples < 1):
+        raise UserError(f"data.num_samples: must be a positive integer, got {num_samples!r}. Fix: set it or remove it.")
+    if system_prompt and not chat:
+        raise UserError(
+            "data.system_prompt: set while data.chat is false; plain-text prompts have no system turn. "
+            "Fix: set data.chat: true, or put the instruction into the prompt text."
+        )
+    if not isinstance(source, str) or not source.strip():
+        raise UserError("data.source: is empty. Fix: use builtin:<task>, a .jsonl/.json/.parquet file or a Hub id.")
+    if not source.startswith("builtin:"):
+        return None
+    task = source[len("builtin:") :]
+    if task not in BUILTIN_TASKS:
+        raise UserError(
+            f"data.source: unknown built-in task '{task}'{hint_suffix(task, BUILTIN_TASKS)}. "
+            f"Fix: use one of {', '.join('builtin:' + t for t in BUILTIN_TASKS)}."
+        )
+    return task
+
+
 def load_prompts(
     source: str,
     *,
@@ -164,25 +187,11 @@ def load_prompts(
     a missing/empty/unreadable file, a Hub load failure (e.g. offline), no rows, a missing `prompt_field` column,
     non-text prompts, a bad `num_samples`, or `system_prompt` without `chat`.
     """
-    if num_samples is not None and (type(num_samples) is not int or num_samples < 1):
-        raise UserError(f"data.num_samples: must be a positive integer, got {num_samples!r}. Fix: set it or remove it.")
-    if system_prompt and not chat:
-        raise UserError(
-            "data.system_prompt: set while data.chat is false; plain-text prompts have no system turn. "
-            "Fix: set data.chat: true, or put the instruction into the prompt text."
-        )
-    if not isinstance(source, str) or not source.strip():
-        raise UserError("data.source: is empty. Fix: use builtin:<task>, a .jsonl/.json/.parquet file or a Hub id.")
+    task = check_data_options(source, num_samples, system_prompt, chat)
 
-    if source.startswith("builtin:"):
+    if task is not None:
         import datasets
 
-        task = source[len("builtin:") :]
-        if task not in BUILTIN_TASKS:
-            raise UserError(
-                f"data.source: unknown built-in task '{task}'{hint_suffix(task, BUILTIN_TASKS)}. "
-                f"Fix: use one of {', '.join('builtin:' + t for t in BUILTIN_TASKS)}."
-            )
         ds = datasets.Dataset.from_list(builtin_rows(task, num_samples or DEFAULT_BUILTIN_SIZE, seed))
     else:
         suffix = os.path.splitext(source)[1].lower()
