@@ -109,7 +109,7 @@ def verify(
         print(f"  verify trial {count}: share {util:g} ({args.verify_steps} steps) ...", file=sys.stderr, flush=True)
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # the trial's ranks and the host it is planned for
         overrides = {**parse_sets(sets), **P.trial_overrides(util, args.verify_steps)}
-        resolved = load_resolved(ROOT / recipe, overrides, host=detect_host(), env=os.environ)[0]
+        resolved = load_resolved(ROOT / recipe, overrides, host=detect_host(), env={})[0]  # one node, no Slurm layering
         plan = P.plan_trial(resolved, out_dir / P.trial_name(count, util))
         result = P.run_trial(plan, util, args.verify_steps, args.trial_timeout)
         print(

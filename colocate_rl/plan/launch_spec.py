@@ -22,7 +22,7 @@ class LaunchSpec:
     trl_args: dict[str, Any]  # TRL GRPOConfig/RLOOConfig arguments
     engine: EngineOptions | None  # colocate-rl's vLLM engine; None: TRL's engine or no vLLM
     recipe_hash: str  # the recipe identity the run dir's files were written for
-    resume_from: str | None = None  # `train --resume`: the checkpoint directory the ranks continue from
+    resume_from: str | None = None  # `train --resume`: the checkpoint planned; the ranks take the newest complete one
 
     def to_json(self) -> str:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__}

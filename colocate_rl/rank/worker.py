@@ -221,10 +221,16 @@ def run(run_dir: Path) -> None:
 
     paths = RunDir(run_dir)
     recipe, launch, trainer, checkpoints = build_trainer(run_dir)
-    if launch.resume_from is not None and trainer.is_world_process_zero():
-        step = int(Path(launch.resume_from).name.rpartition("-")[2])
-        events.emit(run_dir, events.RESUMED, step=step, checkpoint=launch.resume_from)
-    trainer.train(resume_from_checkpoint=launch.resume_from)
+    resume_from = launch.resume_from
+    if resume_from is not None:  # the newest complete one: a resumed run's launch.sh run again continues from there
+        complete = paths.complete_checkpoints()
+        if not complete:
+            raise UserError(f"{paths.checkpoints}: no complete checkpoint left to resume from; start a new run")
+        resume_from = str(complete[-1])
+        if trainer.is_world_process_zero():
+            step = int(Path(resume_from).name.rpartition("-")[2])
+            events.emit(run_dir, events.RESUMED, step=step, checkpoint=resume_from)
+    trainer.train(resume_from_checkpoint=resume_from)
     if checkpoints.stopped_at is not None:  # a stop request: the checkpoint is the result, no final model
         if trainer.is_world_process_zero():
             saved = paths.checkpoints / f"checkpoint-{checkpoints.stopped_at}"
