@@ -71,6 +71,31 @@ def answer_match(prompts, completions, answer=None, **kwargs) -> list[float | No
     return rewards
 
 
+def math_verify(prompts, completions, answer=None, **kwargs) -> list[float | None]:
+    """1.0 if the completion's final answer equals the `answer` column mathematically, else 0.0: Hugging Face's
+    math-verify parses LaTeX, `\\boxed{}`, fractions, decimals and GSM8K `####` answers, as TRL's and open-r1's
+    accuracy rewards do. A `<think>` section is left out. None for rows whose answer is None or does not parse.
+    Raises UserError if the dataset has no `answer` column."""
+    from math_verify import parse, verify
+
+    if answer is None:
+        raise UserError(
+            "rewards: math_verify needs an `answer` column in the dataset, which has none. "
+            "Fix: use a dataset with an answer column (e.g. builtin:arithmetic) or drop math_verify."
+        )
+    rewards: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
+        expected = parse(str(gold).split("####")[-1]) if gold is not None else []
+        if not expected:
+            rewards.append(None)
+            continue
+        text = completion_text(completion)
+        thought = _THINK.fullmatch(text)
+        got = parse(thought.group(1) if thought else text)
+        rewards.append(1.0 if got and verify(expected, got) else 0.0)
+    return rewards
+
+
 def format_think(prompts, completions, **kwargs) -> list[float]:
     """1.0 if the completion is `<think>...</think>` followed by a non-empty answer, else 0.0."""
     rewards = []
@@ -86,8 +111,8 @@ def length_penalty(prompts, completions, **kwargs) -> list[float]:
     return [-(len(completion_text(c)) / 1000) for c in completions]
 
 
-REWARD_COLUMNS = {"answer_match": ("answer",)}  # the dataset columns a built-in reward needs
-BUILTIN_REWARDS = {f.__name__: f for f in (digit_share, answer_match, format_think, length_penalty)}
+REWARD_COLUMNS = {"answer_match": ("answer",), "math_verify": ("answer",)}  # dataset columns a built-in reward needs
+BUILTIN_REWARDS = {f.__name__: f for f in (digit_share, answer_match, math_verify, format_think, length_penalty)}
 
 
 def _import_file(target: str, key: str):

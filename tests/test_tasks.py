@@ -17,7 +17,9 @@ from colocate_rl.rewards import (
     digit_share,
     format_think,
     length_penalty,
+    math_verify,
     resolve_reward,
+    reward_columns,
 )
 
 
@@ -409,3 +411,18 @@ def test_resolve_errors(tmp_path, monkeypatch, reward_module):
     assert "no_such_dependency_xyz" in msg
     sys.modules.pop("cr_test_boom_mod", None)
     raises_user_error(key, check_reward_spec, "missing.py:fn", key=key)
+
+
+def test_math_verify_compares_answers_mathematically():
+    completions = [
+        "So the answer is \\boxed{\\frac{1}{2}}.",  # LaTeX fraction vs a decimal answer
+        "<think>maybe it is 3</think> It is 0.5",  # the thought's 3 is left out
+        "I get 41.",
+        [{"role": "assistant", "content": "The total is 1,234."}],  # a chat completion; GSM8K answer below
+        "anything",
+    ]
+    answers = ["0.5", "1/2", "42", "Adding them up.\n#### 1234", None]
+    assert math_verify(None, completions, answer=answers) == [1.0, 1.0, 0.0, 1.0, None]
+    assert reward_columns("math_verify") == ("answer",)
+    message = raises_user_error("rewards", math_verify, None, ["42"])
+    assert "math_verify needs an `answer` column" in message

@@ -102,7 +102,7 @@ class RewardSpec(_Section):
     """One reward function."""
 
     name: str = Field(
-        description="Built-in name (digit_share, answer_match, format_think, length_penalty), "
+        description="Built-in name (digit_share, answer_match, math_verify, format_think, length_penalty), "
         "`package.module:function` or `path/to/file.py:function`."
     )
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
