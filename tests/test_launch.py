@@ -75,7 +75,9 @@ def test_metrics_drive_step_lines_and_summary(tmp_path):
     console = Console(record=True, width=200)
     assert run_with_progress(plan_running(tmp_path, code), console) == 0
     assert "step 3/3  reward 0.4000  loss 0.1000" in console.export_text()
-    assert step_line({"step": 2, "wall_s": 1.0, "time/generate_s": 0.5}) == "step 2/?  1.0s  [gen 0.50s]"
+    assert step_line({"step": 2, "wall_s": 1.0, "time/generate_s": 0.5}) == "step 2/?  1.0 s in all  [gen 0.50s]"
+    timed = {"step": 2, "max_steps": 9, "wall_s": 1.0, "reward": 0.5, "time/step_s": 0.25}
+    assert step_line(timed) == "step 2/9  reward 0.5000  0.25 s/step  1.0 s in all"
     assert summarize(run_dir) == {"steps": 3, "reward_first": 0.1, "reward_last": 0.4, "train_s": 1.5}
 
 

@@ -122,11 +122,14 @@ def phase_summary(record: dict[str, Any]) -> str:
 
 
 def step_line(record: dict[str, Any]) -> str:
+    """`step 3/40  reward 0.41  loss 0.01  0.24 s/step  9.5 s in all  [phases | memory]` from one metrics record."""
     parts = [f"step {record['step']}/{record.get('max_steps', '?')}"]
     for key in ("reward", "loss"):
         if isinstance(record.get(key), (int, float)):
             parts.append(f"{key} {record[key]:.4f}")
-    parts.append(f"{record['wall_s']:.1f}s")
+    if isinstance(record.get("time/step_s"), (int, float)):
+        parts.append(f"{record['time/step_s']:.2f} s/step")
+    parts.append(f"{record['wall_s']:.1f} s in all")
     breakdown = phase_summary(record)
     return "  ".join(parts) + (f"  [{breakdown}]" if breakdown else "")
 
