@@ -223,3 +223,32 @@ def test_a_nan_reward_stops_the_run(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert "returned nan for a completion; a reward must be a finite number" in result.stdout
     assert not RunDir(run_dir).done.exists() and not RunDir(run_dir).final.exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 600 KiB tmpfs (root only; skipped where mounting is not allowed)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode(errors='replace').strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_job_with_one_line(small_disk):
+    """The run dir fills up: the job ends (no hang) with one line naming the file that could not be written, or, when
+    a rank hit the full disk first, the advice that names the run dir and the resume command."""
+    run_dir = small_disk / "run"
+    result = cli("train", "quickstart", *DDP, "--set", "trainer.max_steps=500", "--run-dir", run_dir,
+                 timeout=HANG_GUARD_S)  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    launcher = [line for line in errors if "cannot write the run's log (No space left on device)" in line]
+    if launcher:  # the launcher's copy of the log hit it first: that one line, nothing else
+        assert errors == launcher and launcher[0].startswith(f"error: {run_dir}/train.log:"), out[-3000:]
+    else:  # a rank hit it first (metrics.jsonl, a checkpoint): the advice names the cause and the way on
+        assert "hint: a disk is full (No space left on device)" in out and f"--resume {run_dir}" in out, out[-3000:]

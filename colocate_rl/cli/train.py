@@ -223,6 +223,9 @@ def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> in
             f"[yellow]warning:[/] torchrun exited {result.torchrun_code} after the run finished and saved its model "
             "(a crash at interpreter exit, known with vLLM sleep mode); the run counts as successful"
         )
+    if result.ended_by is not None:  # the ranks did not fail: the log tail would only show them being ended
+        console.print(f"[red]error:[/] {result.ended_by}", highlight=False, soft_wrap=True)
+        return result.code
     if result.code != 0:
         if not verbose:
             console.print(result.log_tail(), markup=False, highlight=False)

@@ -35,6 +35,7 @@ class RunResult:
     seconds: float = 0.0
     stop_signal: int | None = None  # a stop signal asked the ranks to save and stop
     stopped_at: dict | None = None  # the `stopped` event: step and checkpoint the ranks stopped with
+    ended_by: str | None = None  # why this launcher ended the job (the watchdog, a log it could not write)
     errors: list[str] = field(default_factory=list)  # what the ranks stopped on (events.jsonl), or the launcher
     hints: list[str] = field(default_factory=list)  # advice for known failures in the log
 
@@ -148,7 +149,7 @@ def run(
             result.crashed_after_done = True
         result.code = 0  # the run finished and saved its model (a stop request came too late to matter)
     if outcome.error is not None:
-        result.errors.append(outcome.error)
+        result.ended_by = outcome.error
         result.code = 1  # ended here (the watchdog, a log that could not be written), whatever torchrun said
     elif outcome.returncode < 0 and outcome.signal is None:
         name = signal.Signals(-outcome.returncode).name

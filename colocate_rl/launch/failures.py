@@ -12,6 +12,7 @@ OK = "ok"
 START_REFUSED = "vLLM refused to start"  # the share is not free at start-up: too high
 KV_TOO_SMALL = "KV cache too small"  # the share leaves no KV room for one sequence / batch: too low
 OOM = "out of memory"  # a rank ran out of GPU memory while training or generating: too high
+NO_SPACE = "no space left"  # a disk filled up (run dir, cache)
 TIMEOUT = "timeout"
 FAILED = "failed"  # anything else
 TOO_HIGH, TOO_LOW = {START_REFUSED, OOM}, {KV_TOO_SMALL}
@@ -28,6 +29,7 @@ SIGNATURES: list[tuple[str, str]] = [
     (OOM, r"(?i)CUDA error: out of memory"),  # also vLLM's sleep-pool allocator: "CUDA Error: out of memory at …"
     (OOM, r"CUDA_ERROR_OUT_OF_MEMORY"),
     (OOM, r"cudaErrorMemoryAllocation"),
+    (NO_SPACE, r"No space left on device"),
 ]
 MEM_PROBE = "`colocate-rl mem-probe RECIPE` measures what fits on the GPUs (`--estimate` computes it without one)"
 
@@ -84,6 +86,12 @@ def advice(kind: str, recipe: Recipe) -> str | None:
             steps.append("set trainer.gradient_checkpointing: true")
         steps.append("lower trainer.per_device_train_batch_size or trainer.max_completion_length")
         return "a rank ran out of GPU memory: " + ", ".join(steps) + "; " + MEM_PROBE
+    if kind == NO_SPACE:
+        return (
+            f"a disk is full (No space left on device): free space where the run directory "
+            f"({recipe.output.run_dir}) or the cache lives, then resume from the last checkpoint: "
+            f"colocate-rl train --resume {recipe.output.run_dir}"
+        )
     return None
 
 
