@@ -326,3 +326,19 @@ def test_every_schema_key_is_in_the_recipe_guide():
     guide = (Path(__file__).resolve().parent.parent / "docs" / "guide" / "recipes.md").read_text()
     assert recipe_reference() in guide, "docs/guide/recipes.md is stale: run python tools/recipe_reference.py"
     assert isinstance(Recipe.model_json_schema(), dict)
+
+
+def test_trl_evaluation_options_are_refused_before_launch():
+    """TRL's evaluation needs an eval dataset, which a recipe cannot name: refused with the fix, not a crash of every
+    rank after launch."""
+    from colocate_rl.plan.trl_args import EVALUATION_FIELDS, trl_field_names
+
+    assert EVALUATION_FIELDS <= trl_field_names("grpo") and EVALUATION_FIELDS <= trl_field_names("rloo")
+    recipe = parse_recipe(with_(trainer={"extra_args": {"eval_strategy": "steps", "eval_steps": 5}}))
+    with pytest.raises(UserError) as info:
+        resolve(recipe, CPU)
+    assert info.value.lines == [
+        f"trainer.extra_args.{key}: colocate-rl runs no held-out evaluation yet (a recipe names no eval dataset, so "
+        "TRL's evaluation would stop every rank); remove it"
+        for key in ("eval_strategy", "eval_steps")
+    ]

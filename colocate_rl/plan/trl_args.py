@@ -42,6 +42,18 @@ MANAGED_TRL_FIELDS = {
 }
 
 
+# TRL/transformers fields that turn on evaluation during training, which needs an eval dataset no recipe gives.
+EVALUATION_FIELDS = {
+    "eval_strategy",
+    "eval_steps",
+    "do_eval",
+    "eval_on_start",
+    "eval_delay",
+    "load_best_model_at_end",
+    "metric_for_best_model",
+}
+
+
 def trl_field_names(algorithm: str) -> set[str]:
     """Field names of TRL's GRPOConfig / RLOOConfig for the pinned TRL (checked against TRL by a test)."""
     data = json.loads(resources.files("colocate_rl.recipe").joinpath("trl_fields.json").read_text())
@@ -168,6 +180,11 @@ def check_extra_args(recipe: Recipe) -> list[str]:
             problems.append(f"{path}: set it as trainer.{key} instead")
         elif key in MANAGED_TRL_FIELDS:
             problems.append(f"{path}: colocate-rl sets this itself; use {MANAGED_TRL_FIELDS[key]}")
+        elif key in EVALUATION_FIELDS:
+            problems.append(
+                f"{path}: colocate-rl runs no held-out evaluation yet (a recipe names no eval dataset, so TRL's "
+                "evaluation would stop every rank); remove it"
+            )
         elif key not in known:
             hint = did_you_mean(key, known) or f"see TRL's {config_name} for valid names"
             problems.append(f"{path}: not a field of TRL {config_name}; {hint}")
