@@ -340,20 +340,33 @@ def test_mem_probe_measures_with_the_recipes_layout(tmp_path):
     assert data["layout_check"]["confirmed"] is True, data["layout_check"]
 
 
-def test_stop_and_resume_with_the_colocated_engine(tmp_path):
-    """SIGTERM mid-run on one GPU: the ranks save a checkpoint and stop (exit 143); `train --resume` continues to
-    max_steps with every step recorded once, vLLM generating from the resumed weights (the weight check runs on
-    every resumed step and would stop the run otherwise)."""
+@pytest.mark.parametrize(
+    "recipe, visible, sets",
+    [
+        ("recipes/gpu-0.5b-layout.yaml", ONE, PLAIN),
+        pytest.param(
+            "recipes/gpu-1.5b-layout-zero3.yaml",
+            "0,1",
+            (),
+            marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs"),
+        ),
+    ],
+    ids=["1gpu", "2gpus-zero3"],
+)
+def test_stop_and_resume_with_the_colocated_engine(tmp_path, recipe, visible, sets):
+    """SIGTERM mid-run: the ranks save a checkpoint and stop (exit 143); `train --resume` continues to max_steps with
+    every step recorded once, vLLM generating from the resumed weights (the weight check runs on every resumed step
+    and would stop the run otherwise)."""
     import signal
     import time
 
     from colocate_rl.rundir import RunDir, step_records
 
     run = tmp_path / "run"
-    args = ["train", "recipes/gpu-0.5b-layout.yaml", "--run-dir", str(run)]
-    for item in (*PLAIN, "generation.enforce_eager=true", "trainer.max_steps=24", "output.save_model=false"):
+    args = ["train", recipe, "--run-dir", str(run)]
+    for item in (*sets, "generation.enforce_eager=true", "trainer.max_steps=24", "output.save_model=false"):
         args += ["--set", item]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ONE, "COLUMNS": "200"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "COLUMNS": "200"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "colocate_rl", *args],
         cwd=ROOT,
@@ -370,7 +383,7 @@ def test_stop_and_resume_with_the_colocated_engine(tmp_path):
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 143, out[-6000:]
     [stopped] = events.read_events(run, events.STOPPED)
-    resumed = cli(["train", "--resume", str(run)], ONE)
+    resumed = cli(["train", "--resume", str(run)], visible)
     log = (run / "train.log").read_text(errors="replace")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + log[-6000:]
     steps = step_records(run)
@@ -381,6 +394,8 @@ def test_stop_and_resume_with_the_colocated_engine(tmp_path):
     print(
         json.dumps(
             {
+                "gpus": visible,
+                "recipe": recipe,
                 "stopped_at": stopped["step"],
                 "reward": [round(r["reward"], 4) for r in steps],
                 "s_per_step_after_resume": statistics.median(r["time/step_s"] for r in after[1:]),
@@ -388,3 +403,110 @@ def test_stop_and_resume_with_the_colocated_engine(tmp_path):
             }
         )
     )
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_two_gpus_as_two_nodes_stop_together_and_resume(tmp_path):
+    """Two nodes of one GPU each through examples/multinode.sh (c10d on localhost, NCCL, one shared run dir):
+    SIGTERM to node 1 alone stops both with one checkpoint; resuming on both nodes reaches max_steps, every step
+    once, the weight check on every resumed step."""
+    import signal
+    import socket
+    import time
+
+    from colocate_rl.rundir import RunDir, step_records
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+
+    def node(rank: int, *args: str) -> subprocess.Popen:
+        env = {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": str(rank),
+            "COLUMNS": "200",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "NNODES": "2",
+            "NODE_RANK": str(rank),
+            "COLOCATE_RL": f"{sys.executable} -m colocate_rl",
+        }
+        return subprocess.Popen(
+            ["bash", "examples/multinode.sh", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    sets = []
+    for item in (*PLAIN, "generation.enforce_eager=true", "trainer.max_steps=16", "output.save_model=false"):
+        sets += ["--set", item]
+    nodes = [node(k, "recipes/gpu-0.5b-layout.yaml", "--run-dir", str(run), *sets) for k in (0, 1)]
+    guard = time.monotonic() + 900
+    while len(step_records(run)) < 5:
+        assert all(p.poll() is None for p in nodes) and time.monotonic() < guard, [
+            p.stdout.read()[-4000:] for p in nodes if p.poll() is not None
+        ]
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    nodes[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=600)[0] for p in nodes]
+    stop_s = time.monotonic() - t0
+    assert [p.returncode for p in nodes] == [143, 143], [o[-4000:] for o in outs]
+    [stopped] = events.read_events(run, events.STOPPED)
+    assert RunDir(run).complete_checkpoints()[-1].name == f"checkpoint-{stopped['step']}"
+    resumed = [node(k, "--resume", str(run)) for k in (0, 1)]
+    outs = [p.communicate(timeout=900)[0] for p in resumed]
+    assert [p.returncode for p in resumed] == [0, 0], [o[-4000:] for o in outs]
+    steps = step_records(run)
+    assert [r["step"] for r in steps] == list(range(1, 17))
+    after = [r for r in steps if r["step"] > stopped["step"]]
+    assert after and all(r.get("time/weight_check_s", 0) > 0 for r in after)
+    print(
+        json.dumps(
+            {
+                "stopped_at": stopped["step"],
+                "both_nodes_stopped_s": round(stop_s, 1),
+                "reward": [round(r["reward"], 4) for r in steps],
+                "s_per_step_after_resume": statistics.median(r["time/step_s"] for r in after[1:]),
+            }
+        )
+    )
+
+
+def test_gpu_memory_at_the_step_end_does_not_grow_over_500_steps(tmp_path):
+    """500 steps of the full engine cycle (generate, sleep, train, wake, sync, weight check): the least-squares slope
+    of the GPU memory in use at the step end, over steps 50-500, stays under 1 MiB per step (0.5 GiB over the run)."""
+    from colocate_rl.rundir import step_records
+
+    run = tmp_path / "run"
+    sets = (
+        *PLAIN,
+        "generation.enforce_eager=true",
+        "trainer.max_steps=500",
+        "trainer.max_completion_length=32",
+        "trainer.per_device_train_batch_size=16",
+        "output.save_model=false",
+    )
+    args = ["train", "recipes/gpu-0.5b-layout.yaml", "--run-dir", str(run)]
+    for item in sets:
+        args += ["--set", item]
+    result = cli(args, ONE)
+    log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
+    assert result.returncode == 0, result.stdout[-3000:] + log[-6000:]
+    steps = step_records(run)
+    assert len(steps) == 500
+    xs = [r["step"] for r in steps[49:]]
+    ys = [r["mem/gpu_used_gib"] for r in steps[49:]]
+    slope = statistics.linear_regression(xs, ys).slope
+    figures = {
+        "slope_mib_per_step": round(slope * 1024, 4),
+        "gpu_used_gib_at_step_end": {s: steps[s - 1]["mem/gpu_used_gib"] for s in (1, 50, 100, 200, 300, 400, 500)},
+        "torch_allocated_gib_at_step_end": {s: steps[s - 1]["mem/torch_allocated_gib"] for s in (1, 50, 500)},
+        "s_per_step_median": statistics.median(r["time/step_s"] for r in steps[1:]),
+    }
+    print(json.dumps(figures))
+    assert slope * 1024 < 1.0, figures

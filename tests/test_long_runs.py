@@ -252,3 +252,50 @@ def test_a_full_disk_stops_the_job_with_one_line(small_disk):
         assert errors == launcher and launcher[0].startswith(f"error: {run_dir}/train.log:"), out[-3000:]
     else:  # a rank hit it first (metrics.jsonl, a checkpoint): the advice names the cause and the way on
         assert "hint: a disk is full (No space left on device)" in out and f"--resume {run_dir}" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_two_nodes_stop_together_and_resume(tmp_path):
+    """Two nodes on this machine through examples/multinode.sh (one rank each, c10d on localhost, one shared run
+    dir): SIGTERM to node 1 alone stops both with the same checkpoint; resuming on both nodes reaches max_steps with
+    every step once."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+
+    def node(rank: int, *args: str) -> subprocess.Popen:
+        env = clean_env(
+            **NO_GPU,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            NNODES="2",
+            NODE_RANK=str(rank),
+            COLOCATE_RL=f"{sys.executable} -m colocate_rl",
+        )
+        return subprocess.Popen(
+            ["bash", "examples/multinode.sh", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    sets = (*DDP, "--set", "distributed.nproc_per_node=1", "--set", "trainer.max_steps=8")
+    nodes = [node(k, "quickstart", "--run-dir", str(run_dir), *sets) for k in (0, 1)]
+    wait_for_steps(nodes[0], run_dir, 2)
+    nodes[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=HANG_GUARD_S)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [143, 143], outs
+    [stopped] = events.read_events(run_dir, events.STOPPED)
+    assert RunDir(run_dir).complete_checkpoints()[-1].name == f"checkpoint-{stopped['step']}"
+    assert all(f"resume with: colocate-rl train --resume {run_dir}" in out for out in outs), outs
+
+    resumed = [node(k, "--resume", str(run_dir)) for k in (0, 1)]
+    outs = [p.communicate(timeout=HANG_GUARD_S)[0] for p in resumed]
+    assert [p.returncode for p in resumed] == [0, 0], outs
+    assert [r["step"] for r in step_records(run_dir)] == list(range(1, 9))
+    assert RunDir(run_dir).done.exists()
