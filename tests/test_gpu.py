@@ -487,7 +487,7 @@ def test_gpu_memory_at_the_step_end_does_not_grow_over_500_steps(tmp_path):
         *PLAIN,
         "generation.enforce_eager=true",
         "trainer.max_steps=500",
-        "trainer.max_completion_length=32",
+        "trainer.max_completion_length=16",
         "trainer.per_device_train_batch_size=16",
         "output.save_model=false",
     )
