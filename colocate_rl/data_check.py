@@ -1,6 +1,7 @@
 """What a run will read, checked before launch (no `datasets`, no download): `inspect_data` reads the first rows
 of the data `load_prompts` will load (columns, prompt values, row count), and `check_reward_on_sample` calls each
-reward once, as TRL does, on a sample completion. Each problem raises `UserError` naming the recipe key and the fix.
+reward once, as TRL does, on a sample completion; `check_reward_model` reads a reward model's config (of a hub
+model, only its config is fetched). Each problem raises `UserError` naming the recipe key and the fix.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def _open_regular(path: str, source: str):
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
-        raise UserError(f"data.source: file '{source}' not found; check the path (relative to the current directory)")
+        raise UserError(
+            f"data.source: file '{source}' not found; check the path (relative paths in a recipe start from its "
+            "directory)"
+        )
     except OSError as e:
         raise UserError(f"data.source: cannot open '{path}' ({e.strerror}). Fix: check the path and its permissions.")
     if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -217,7 +221,8 @@ def inspect_data(
         elif source.startswith(("./", "../", "/", "~")) and not os.path.exists(path):
             raise UserError(
                 f"data.source: '{source}' not found (looked at {os.path.abspath(path)}). Fix: correct the path "
-                f"(relative paths start from the current directory {os.getcwd()}), or give a Hub dataset id."
+                "(relative paths in a recipe start from its directory, in --set from the current one), or give a Hub "
+                "dataset id."
             )
         else:
             return None  # a hub id or a local dataset folder: loaded by datasets on the ranks
@@ -304,6 +309,12 @@ def check_reward_on_sample(fn, name: str, sample: DataSample, *, key: str, chat:
     except UserError as e:
         raise UserError(*(f"{key}: reward '{name}' stopped on a sample completion: {line}" for line in e.lines))
     except Exception as e:
+        if isinstance(e, TypeError) and "required" in str(e) and "argument" in str(e):  # a column it names is not there
+            found = ", ".join(columns) or "none besides the prompt"
+            fix = (
+                f"Fix: TRL passes the data's columns by keyword and {sample.source} has {found}: use data with that "
+                "column, or rename the parameter."
+            )
         raise UserError(
             f"{key}: reward '{name}' raised {one_line(e)} when called on a sample completion of "
             f"{sample.source} (its first {len(rows)} rows). {fix}"
@@ -324,3 +335,56 @@ def check_reward_on_sample(fn, name: str, sample: DataSample, *, key: str, chat:
                 f"{key}: reward '{name}' returned {json_kind(value)} ({value!r:.40}) for sample completion {i}, "
                 f"not a number. {fix}"
             )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_reward_model(name: str, *, key: str, chat: bool) -> None:
+    """A reward model TRL can load and score with: a sequence classifier with one label (`...ForSequenceClassification`,
+    num_labels 1) and, in a local directory, its own tokenizer (with a chat template for `chat` data). Reads config
+    files only (a hub model's config through AutoConfig; nothing else is downloaded, no model is loaded). UserError
+    naming `key` otherwise, also for a hub id whose config cannot be had (offline and not cached)."""
+    from colocate_rl.model_config import looks_local, model_config
+
+    if name.startswith("builtin:"):
+        raise UserError(
+            f"{key}: '{name}': the built-in models are causal LMs, not reward models; give the directory or hub id "
+            "of a sequence-classification model, or a reward function as `name`"
+        )
+    cfg = model_config(name, key)
+    architectures = [str(a) for a in cfg.get("architectures") or []]
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        found = f"its config names {', '.join(architectures)}" if architectures else "its config names no architecture"
+        raise UserError(
+            f"{key}: '{name}' is not a sequence-classification model ({found}); TRL scores completions with a "
+            "...ForSequenceClassification model's one output: give such a model, or a reward function as `name`"
+        )
+    labels = len(cfg["id2label"]) if isinstance(cfg.get("id2label"), dict) else cfg.get("num_labels", 2)
+    if labels != 1:
+        raise UserError(
+            f"{key}: '{name}' has {labels} labels; TRL reads one score per completion (num_labels 1): give a reward "
+            "model with a single output"
+        )
+    folder = os.path.expanduser(name)
+    if looks_local(name) and not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+        raise UserError(
+            f"{key}: '{name}' has no tokenizer ({', '.join(TOKENIZER_FILES[:2])}); TRL tokenizes prompt + completion "
+            "with the reward model's own tokenizer: save it into that directory (tokenizer.save_pretrained)"
+        )
+    if looks_local(name) and chat and not _has_chat_template(folder):
+        raise UserError(
+            f"{key}: '{name}' has no chat template and data.chat is true; TRL formats prompt + completion with the "
+            "reward model's chat template: add one to its tokenizer_config.json, or set data.chat: false"
+        )
+
+
+def _has_chat_template(folder: str) -> bool:
+    """A tokenizer's chat template: in tokenizer_config.json or a chat_template.jinja/.json file beside it."""
+    if any(os.path.isfile(os.path.join(folder, f)) for f in ("chat_template.jinja", "chat_template.json")):
+        return True
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -1,6 +1,6 @@
 """From a recipe argument to a resolved recipe and a launch plan: the steps every verb shares.
 
-    find_recipe → read YAML → layer node keys and overrides (defaults < recipe < Slurm < overrides and node flags)
+    find_recipe → read YAML → paths made absolute (colocate_rl.recipe.paths) → layer node keys and overrides (defaults < recipe < Slurm < overrides and node flags)
     → parse (schema) → bind to the host (cross-field checks) → auto layout (zero_stage / gradient_checkpointing
     auto) → plan
 
@@ -23,6 +23,7 @@ from colocate_rl.plan.launch_plan import LaunchPlan, cache_dir, make_plan
 from colocate_rl.plan.resolve import Resolved, bind_to_host, check_engine
 from colocate_rl.plan.sources import explain_sources, layer_distributed
 from colocate_rl.recipe.load import parse_recipe, read_yaml
+from colocate_rl.recipe.paths import resolve_override_paths, resolve_paths
 from colocate_rl.recipe.schema import Recipe
 from colocate_rl.recipe.shipped import find_recipe
 from colocate_rl.rundir import default_run_dir
@@ -62,11 +63,16 @@ def load_resolved(
     host: Host,
     flags: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> tuple[Resolved, dict[str, str]]:
     """The recipe named by `recipe` (a file or a shipped recipe's name) with `overrides` and the node `flags`,
-    resolved for `host` under the Slurm environment `env`. Returns it and where each node key came from."""
+    resolved for `host` under the Slurm environment `env`. Relative paths start from the recipe file's directory,
+    those of `overrides` from `cwd` (default: the current directory); the result holds them absolute. Returns it
+    and where each node key came from."""
     path = find_recipe(str(recipe))
-    data, sources = layer_distributed(read_yaml(path), overrides or {}, flags or {}, env or {})
+    overrides = resolve_override_paths(overrides or {}, cwd)
+    data = resolve_paths(read_yaml(path), path.parent, cwd=cwd, overridden=overrides)
+    data, sources = layer_distributed(data, overrides, flags or {}, env or {})
     try:
         return resolve(parse_recipe(data, str(path)), host), sources
     except UserError as e:
@@ -193,7 +199,8 @@ def plan_resume(
             "count); start the run again with `colocate-rl train`"
         )
     latest, earlier = complete[-1], LaunchSpec.read(paths.launch_spec)
-    data, _ = layer_distributed(read_yaml(paths.recipe), overrides or {}, flags or {}, env)
+    overrides = resolve_override_paths(overrides or {}, cwd)  # the run's recipe.yaml holds absolute paths
+    data, _ = layer_distributed(read_yaml(paths.recipe), overrides, flags or {}, env)
     resolved = resolve(parse_recipe(data, str(paths.recipe)), host)
     if resolved.world_size != earlier.world_size:
         raise UserError(

@@ -116,7 +116,8 @@ BUILTIN_REWARDS = {f.__name__: f for f in (digit_share, answer_match, math_verif
 
 
 def _import_file(target: str, key: str):
-    """Import `path/to/file.py` (relative to the current directory) as a fresh module."""
+    """Import `path/to/file.py` (a relative path: from the current directory; a recipe's are absolute by now) as a
+    fresh module."""
     path = os.path.abspath(os.path.expanduser(target))
     if not target.endswith(".py"):
         raise UserError(f"{key}: '{target}' looks like a path but is not a .py file. Fix: write 'path/to/file.py:fn'.")
@@ -128,7 +129,7 @@ def _import_file(target: str, key: str):
     if not os.path.isfile(path):
         raise UserError(
             f"{key}: reward file '{target}' not found (looked at {path}). "
-            f"Fix: correct the path; relative paths start from the current directory {os.getcwd()}."
+            "Fix: correct the path; relative paths in a recipe start from its directory, in --set from the current one."
         )
     stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
     mod_name = f"colocate_rl_user_{stem}_{zlib.crc32(path.encode()):08x}"

@@ -26,6 +26,7 @@ LEVELS = {
     "rewards": 1,
     "data_check": 1.5,
     "builtin_model": 1,
+    "model_config": 1,
     "plan": 2,
     "telemetry": 2,
     "launch": 3,

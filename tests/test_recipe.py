@@ -56,7 +56,12 @@ def errors_of(data, host=CPU):
             "or input should be 'auto' (got 'many')",
         ),
         (with_(distributed={"zero_stage": 4}), "distributed.zero_stage: input should be 0, 1, 2, 3 or 'auto' (got 4)"),
-        ({"rewards": [{"nam": "x"}]}, "rewards[0].name: required key is missing; add it to the recipe"),
+        ({"rewards": [{"nam": "x"}]}, "rewards[0].nam: unknown key; did you mean 'name'?"),
+        (
+            {"rewards": [{"weight": 2}]},
+            "rewards[0]: has neither name nor model; give one per list item: name (a reward function) or model "
+            "(a reward model)",
+        ),
         (
             with_(output={"report_to": ["tb"]}),
             "output.report_to[0]: input should be 'tensorboard', 'wandb', 'mlflow', 'trackio' or 'comet_ml' (got 'tb')",
@@ -66,7 +71,7 @@ def errors_of(data, host=CPU):
         (
             with_(bogus=1),
             "bogus: unknown key; known keys here: name, algorithm, model, data, rewards, trainer, "
-            "generation, distributed, checkpoint, watchdog, output",
+            "generation, eval, distributed, checkpoint, watchdog, output",
         ),
     ],
 )
@@ -178,7 +183,7 @@ def test_all_schema_errors_are_listed_at_once():
         (
             with_(data={"source": "missing.jsonl"}),
             CPU,
-            "data.source: file 'missing.jsonl' not found; check the path (relative to the current directory)",
+            "data.source: file 'missing.jsonl' not found; check the path (relative paths in a recipe start from its directory)",
         ),
         (
             with_(generation={"max_model_length": 128}, trainer={"max_completion_length": 256}),
@@ -329,8 +334,8 @@ def test_every_schema_key_is_in_the_recipe_guide():
 
 
 def test_trl_evaluation_options_are_refused_before_launch():
-    """TRL's evaluation needs an eval dataset, which a recipe cannot name: refused with the fix, not a crash of every
-    rank after launch."""
+    """TRL's own evaluation (training temperature, a loss pass) is not run: its options are refused, pointing at the
+    recipe's eval section."""
     from colocate_rl.plan.trl_args import EVALUATION_FIELDS, trl_field_names
 
     assert EVALUATION_FIELDS <= trl_field_names("grpo") and EVALUATION_FIELDS <= trl_field_names("rloo")
@@ -338,7 +343,7 @@ def test_trl_evaluation_options_are_refused_before_launch():
     with pytest.raises(UserError) as info:
         resolve(recipe, CPU)
     assert info.value.lines == [
-        f"trainer.extra_args.{key}: colocate-rl runs no held-out evaluation yet (a recipe names no eval dataset, so "
-        "TRL's evaluation would stop every rank); remove it"
+        f"trainer.extra_args.{key}: TRL's own evaluation is not used; remove it and evaluate with the recipe's eval "
+        "section (eval.every_steps, eval.num_samples, eval.temperature, eval.source)"
         for key in ("eval_strategy", "eval_steps")
     ]

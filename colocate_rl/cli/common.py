@@ -23,7 +23,21 @@ err_console = Console(stderr=True)
 
 RecipeArg = Annotated[str, typer.Argument(help="Recipe file, or the name of a shipped recipe.")]
 SetOpt = Annotated[
-    list[str] | None, typer.Option("--set", help="Override a key: --set trainer.max_steps=20 (YAML value).")
+    list[str] | None,
+    typer.Option(
+        "--set",
+        metavar="KEY=VALUE",
+        help="Override a key: --set trainer.max_steps=20. A text key (data.system_prompt, model.name, ...) takes the "
+        "text as typed (null: unset); any other key a YAML value. A relative path starts from here.",
+    ),
+]
+SetStrOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set-str",
+        metavar="KEY=TEXT",
+        help="Override a key with the text as typed, never read as YAML (e.g. the text null); after every --set.",
+    ),
 ]
 GpusOpt = Annotated[
     int | None,
@@ -93,8 +107,8 @@ def guarded(fn):
     return wrapper
 
 
-def parse_sets(items: list[str] | None) -> dict:
-    """`--set` strings as overrides (dotted key → value)."""
+def parse_sets(items: list[str] | None, strings: list[str] | None = None) -> dict:
+    """`--set` and `--set-str` strings as overrides (dotted key → value)."""
     from colocate_rl.recipe.load import parse_sets as parse
 
-    return parse(items or [])
+    return parse(items or [], strings or [])

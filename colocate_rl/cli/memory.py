@@ -13,7 +13,17 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from colocate_rl.cli.common import GpusOpt, RecipeArg, SetOpt, app, console, err_console, guarded, parse_sets
+from colocate_rl.cli.common import (
+    GpusOpt,
+    RecipeArg,
+    SetOpt,
+    SetStrOpt,
+    app,
+    console,
+    err_console,
+    guarded,
+    parse_sets,
+)
 from colocate_rl.errors import UserError
 
 
@@ -78,9 +88,14 @@ def recommendation_lines(rec, ram_gib: float | None = None) -> list[str]:
 
     b, lay, kv, G = rec.base, rec.base.layout, rec.base.kv, rec.base.gpu_gib
     r, stage = b.resolved.recipe, ZeroLayout.of(b.resolved.deepspeed).stage
+    experts = (
+        f", {lay.active_params:,} active: {lay.active_experts} of {lay.experts} experts per token"
+        if lay.experts
+        else ""
+    )
     lines = [
         f"model {r.model.name}: {lay.params:,} params (hidden {lay.hidden}, {lay.layers} layers, {lay.heads} "
-        f"heads / {lay.kv_heads} KV heads, vocab {lay.vocab:,}); {r.distributed.nnodes} node(s) × "
+        f"heads / {lay.kv_heads} KV heads, vocab {lay.vocab:,}{experts}); {r.distributed.nnodes} node(s) × "
         f"{b.resolved.nproc_per_node} GPU(s) of {G:.1f} GiB; {'DDP' if stage is None else f'ZeRO-{stage}'}; "
         f"vLLM TP {r.generation.tensor_parallel_size}",
         f"generation batch: {kv['sequences']} sequences per vLLM engine × {kv['tokens']} tokens (prompt ≤ "
@@ -131,6 +146,7 @@ def mem_probe(
         bool, typer.Option("--estimate", help="Compute from the model layout and the recipe (no GPU needed).")
     ] = False,
     set_: SetOpt = None,
+    set_str: SetStrOpt = None,
     gpus: GpusOpt = None,
     gpu_memory: Annotated[
         float | None,
@@ -190,7 +206,7 @@ def mem_probe(
         )
     if write is not None and write.exists():
         raise UserError(f"--write: {write} already exists; choose another file name")
-    overrides = parse_sets(set_)
+    overrides = parse_sets(set_, set_str)
     if estimate:
         return _estimate(recipe, overrides, host, gpus, gpu_memory, prompt_tokens, json_out, write)
     if gpus is not None:

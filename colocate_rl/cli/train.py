@@ -21,6 +21,7 @@ from colocate_rl.cli.common import (
     RdzvIdOpt,
     RecipeArg,
     SetOpt,
+    SetStrOpt,
     app,
     console,
     guarded,
@@ -43,11 +44,11 @@ SHORT_PHASES = {
 }
 
 
-def _load(recipe: str, set_: list[str] | None, gpus: int | None, gpu_memory: float | None, flags: dict):
+def _load(recipe: str, overrides: dict, gpus: int | None, gpu_memory: float | None, flags: dict):
     from colocate_rl.pipeline import load_resolved
     from colocate_rl.plan.host import planning_host
 
-    return load_resolved(recipe, parse_sets(set_), host=planning_host(gpus, gpu_memory), flags=flags, env=os.environ)
+    return load_resolved(recipe, overrides, host=planning_host(gpus, gpu_memory), flags=flags, env=os.environ)
 
 
 def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") -> Table:
@@ -68,7 +69,7 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") 
         ("recipe", f"{r.name} ({r.algorithm})"),
         ("model", f"{r.model.name} ({resolved.model_dtype})"),
         ("data", r.data.source),
-        ("rewards", ", ".join(f"{x.name}×{x.weight:g}" for x in r.rewards)),
+        ("rewards", ", ".join(f"{x.name or x.model}×{x.weight:g}" for x in r.rewards)),
         (
             "ranks",
             f"{dist.nnodes} node(s) × {resolved.nproc_per_node} = {resolved.world_size} on {resolved.device} ({host})",
@@ -89,6 +90,11 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") 
             f"completions ({r.trainer.num_generations} per prompt)",
         ),
     ]
+    if r.eval.every_steps is not None:
+        ev = r.eval
+        where = ev.source or f"held out of {r.data.source}"
+        sampling = "greedy" if ev.temperature == 0 else f"temperature {ev.temperature:g}"
+        rows.append(("eval", f"every {ev.every_steps} steps, {ev.num_samples} prompts ({where}), {sampling}"))
     if dist.nnodes > 1:
         rows.append(
             (
@@ -134,6 +140,20 @@ def step_line(record: dict[str, Any]) -> str:
     return "  ".join(parts) + (f"  [{breakdown}]" if breakdown else "")
 
 
+def eval_line(record: dict[str, Any]) -> str:
+    """`eval at step 20/40  eval/reward 0.62  digit_share 0.62  0.4 s` from one evaluation's metrics record."""
+    parts = [
+        f"eval at step {record['step']}/{record.get('max_steps', '?')}",
+        f"eval/reward {record['eval/reward']:.4f}",
+    ]
+    for key, value in record.items():
+        if key.startswith("eval/") and key != "eval/reward" and isinstance(value, (int, float)):
+            parts.append(f"{key.removeprefix('eval/')} {value:.4g}")
+    if isinstance(record.get("time/eval_s"), (int, float)):
+        parts.append(f"{record['time/eval_s']:.1f} s")
+    return "  ".join(parts)
+
+
 def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> int:
     """Prepare and run `plan`, showing progress (a live bar on a terminal, one line per step otherwise, every rank's
     output with `verbose`) and how the run ended; returns the exit code for `train`."""
@@ -168,7 +188,9 @@ def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> in
         progress.start()
 
     def on_step(record: dict[str, Any]) -> None:
-        if progress is not None:
+        if "reward" not in record:  # a held-out evaluation
+            (progress.console if progress is not None else console).out(eval_line(record), highlight=False)
+        elif progress is not None:
             status = f"reward {record['reward']:.3f}  {phase_summary(record)}"
             progress.update(task, completed=record["step"], total=record.get("max_steps"), status=status)
         else:
@@ -242,6 +264,7 @@ def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> in
 def validate(
     recipe: RecipeArg,
     set_: SetOpt = None,
+    set_str: SetStrOpt = None,
     gpus: GpusOpt = None,
     nnodes: NnodesOpt = None,
     node_rank: NodeRankOpt = None,
@@ -253,7 +276,7 @@ def validate(
     from colocate_rl.plan.sources import parse_node_flags
 
     flags = parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id)
-    resolved, _ = _load(recipe, set_, gpus, gpu_memory, flags)
+    resolved, _ = _load(recipe, parse_sets(set_, set_str), gpus, gpu_memory, flags)
     console.print(summary_table(resolved))
     if resolved.layout_choice is not None:
         for line in resolved.layout_choice.lines():
@@ -268,6 +291,7 @@ def train(
         str | None, typer.Argument(help="Recipe file, or the name of a shipped recipe (not with --resume).")
     ] = None,
     set_: SetOpt = None,
+    set_str: SetStrOpt = None,
     resume: Annotated[
         Path | None,
         typer.Option(
@@ -310,7 +334,7 @@ def train(
 
         resolved, plan = plan_resume(
             resume,
-            parse_sets(set_),
+            parse_sets(set_, set_str),
             host=planning_host(gpus, gpu_memory),
             flags=flags,
             env=os.environ,
@@ -319,7 +343,7 @@ def train(
         )
         sources = {key: "recipe" for key in NODE_KEYS}
     else:
-        resolved, sources = _load(recipe, set_, gpus, gpu_memory, flags)
+        resolved, sources = _load(recipe, parse_sets(set_, set_str), gpus, gpu_memory, flags)
         plan = plan_run(resolved, run_dir, env=os.environ, now=datetime.now(), cwd=Path.cwd(), python=sys.executable)
     dist = resolved.recipe.distributed
     note = slurm_note(os.environ, dist.nnodes, sources["nnodes"])

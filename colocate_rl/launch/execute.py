@@ -102,7 +102,7 @@ def run(
         nonlocal seen
         records = read_metrics(plan.run_dir)
         for record in records[seen:]:
-            if "reward" in record and on_step is not None:
+            if ("reward" in record or "eval/reward" in record) and on_step is not None:  # a step or an evaluation
                 on_step(record)
         seen = len(records)
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from colocate_rl.errors import UserError
-from colocate_rl.memory.shapes import Layout, layout_for
+from colocate_rl.memory.reward_models import reward_model_bytes, reward_model_notes
+from colocate_rl.memory.shapes import Layout, layout_for, lora_params
 from colocate_rl.plan.deepspeed import ZeroLayout
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ class _TrainerState:
     opt: float
     step: float  # optimizer step buffers
     ref: float  # the reference model
+    trained: int  # parameters the optimizer updates (all, or the LoRA adapters)
 
 
 @dataclass(frozen=True)
@@ -196,9 +198,11 @@ def _process_overheads(world: int) -> Terms:
     )
 
 
-def _trainer_state(resolved: Resolved, n: int, zero: ZeroLayout) -> _TrainerState:
-    """The trainer's weights, gradients, optimizer states, step buffers and reference model, by layout."""
+def _trainer_state(resolved: Resolved, lay: Layout, zero: ZeroLayout) -> _TrainerState:
+    """The trainer's weights, gradients, optimizer states, step buffers and reference model, by layout (with LoRA
+    only the adapters train)."""
     world, stage, off_opt, off_par = resolved.world_size, zero.stage, zero.offload_optimizer, zero.offload_params
+    n, lora = lay.params, resolved.recipe.model.lora
     if stage is None:  # DDP (or one process): torch AdamW on the params in their dtype, m and v in that dtype
         p = 4 if resolved.model_dtype == "float32" else 2
         weights, grads, opt = p * n, p * n * (2 if world > 1 else 1), 2 * p * n  # DDP keeps a bucket copy of grads
@@ -213,7 +217,13 @@ def _trainer_state(resolved: Resolved, n: int, zero: ZeroLayout) -> _TrainerStat
         step = 0 if off_opt else 4 * (min(sub_group, n / world) if stage == 3 else n / (world if stage else 1))
     beta = resolved.recipe.trainer.beta
     ref = 0 if beta == 0 or off_par else p * n / (world if stage == 3 else 1)  # reference model (beta > 0)
-    return _TrainerState(p, weights, grads, opt, step, ref)
+    if lora is not None:  # frozen base; fp32 adapters carry the gradients, optimizer states and step buffers
+        adapters = lora_params(lay, lora.r, lora.target_modules)
+        weights += 4 * adapters / (world if stage == 3 else 1)
+        grads = 4 * adapters / (world if stage is not None and stage >= 2 else 1)
+        opt = 0 if off_opt else (12 if stage is not None else 8) * adapters / (world if stage is not None else 1)
+        step, ref = 4 * adapters, 0  # the reference is the base model with the adapters off
+    return _TrainerState(p, weights, grads, opt, step, ref, adapters if lora is not None else n)
 
 
 def _trainer_terms(s: _TrainerState, stage: int | None, off_gen: bool) -> Terms:
@@ -237,7 +247,7 @@ def _activations(resolved: Resolved, lay: Layout, kv: dict[str, Any]) -> Terms:
     # 3h (fp32 input + 16-bit output), attention h + 3q + 2kv (input, q, output, o_proj input; k, v), MLP h + 4·ff
     # (input, gate, up, silu, product). Gradient checkpointing keeps layer inputs and recomputes one layer at a time.
     a = 2 if resolved.precision in ("bf16", "fp16") else 4
-    layer = a * (8 * h + 3 * lay.heads * lay.hd + 2 * lay.kv_heads * lay.hd + 4 * lay.intermediate)
+    layer = a * (8 * h + 3 * lay.heads * lay.hd + 2 * lay.kv_heads * lay.hd + 4 * lay.active_intermediate)
     tokens = t.per_device_train_batch_size * seq
     act = tokens * (lay.layers * a * h + layer if resolved.gradient_checkpointing else lay.layers * layer)
     # TRL computes logits for the completion tokens only (logits_to_keep); 4 B each: the 16-bit logits plus the
@@ -251,12 +261,12 @@ def _activations(resolved: Resolved, lay: Layout, kv: dict[str, Any]) -> Terms:
 
 def _zero3_gathers(resolved: Resolved, lay: Layout, zero: ZeroLayout) -> Terms:
     """ZeRO-3 gathers 16-bit params for forward/backward (up to stage3_max_live_parameters) and, for the weight
-    push to vLLM, one parameter at a time with TRL's engine (the largest: the embedding), one bucket of
-    generation.weight_sync_bucket_mb at a time with colocate-rl's (at least the largest parameter)."""
+    push to vLLM, one parameter at a time with TRL's engine (the largest: the embedding or a MoE layer's experts),
+    one bucket of generation.weight_sync_bucket_mb at a time with colocate-rl's (at least the largest parameter)."""
     g, n, stage = resolved.recipe.generation, lay.params, zero.stage
     live = zero.section.get("stage3_max_live_parameters", 10**9)
     gather = 2 * min(live if isinstance(live, int) else 10**9, n) if stage == 3 else 0
-    largest = 2 * lay.vocab * lay.hidden
+    largest = 2 * lay.largest_param
     sync_gather = (
         0 if stage != 3 else largest if g.engine == "trl" else max(largest, min(g.weight_sync_bucket_mb * 2**20, 2 * n))
     )
@@ -308,7 +318,7 @@ def _host_offload(
     host: dict[str, float] = {}
     if stage is not None and zero.offload_optimizer:
         host["offloaded optimizer (fp32 master + Adam + fp32 gradients)"] = (
-            ((12 if p == 2 else 8) + 4) * n / world * ranks
+            ((12 if p == 2 else 8) + 4) * s.trained / world * ranks
         )
     if stage == 3 and zero.offload_params:
         host["offloaded parameters"] = p * n / world * ranks
@@ -320,7 +330,7 @@ def _host_offload(
 
 
 def _notes(
-    resolved: Resolved, kv: dict[str, Any], share: _VllmShare, off_gen: bool, prompt_tokens: int | None
+    resolved: Resolved, kv: dict[str, Any], share: _VllmShare, off_gen: bool, prompt_tokens: int | None, trained: int
 ) -> list[str]:
     """What the estimate assumed or left out, one line each."""
     notes = (
@@ -342,6 +352,13 @@ def _notes(
             "generation.offload_trainer_during_generation: optimizer states and gradients are on CPU "
             "while vLLM generates (not counted in generation)"
         )
+    lora = resolved.recipe.model.lora
+    if lora is not None:
+        targets = lora.target_modules if isinstance(lora.target_modules, str) else ", ".join(lora.target_modules)
+        notes.append(
+            f"LoRA r={lora.r} on {targets}: {trained:,} trainable parameters (fp32); the base weights stay frozen and "
+            "vLLM gets them merged with the adapters"
+        )
     return notes
 
 
@@ -353,7 +370,7 @@ def estimate(resolved: Resolved, gpu_gib: float, prompt_tokens: int | None = Non
     n = lay.params
     kv = _kv_cache(resolved, lay, prompt_tokens)
     zero = ZeroLayout.of(resolved.deepspeed)
-    state = _trainer_state(resolved, n, zero)
+    state = _trainer_state(resolved, lay, zero)
     # generation.offload_trainer_during_generation: DeepSpeed's optimizer states, fp32 master weights and
     # gradients are on CPU while vLLM generates (colocate-rl's engine, after the weight push)
     off_gen = g.offload_trainer_during_generation and zero.stage is not None
@@ -362,34 +379,14 @@ def estimate(resolved: Resolved, gpu_gib: float, prompt_tokens: int | None = Non
         **_trainer_terms(state, zero.stage, off_gen),
         **_activations(resolved, lay, kv),
         **_zero3_gathers(resolved, lay, zero),
+        **_terms(("reward models", reward_model_bytes(resolved, state.param, zero), MEMORY_PHASES)),
     }
     terms.update(_allocator_cache(terms))
     vllm_w = 2 * n / g.tensor_parallel_size / GIB  # bf16, this rank's tensor-parallel part
     share = _vllm_share(g, gpu_gib, vllm_w, kv["gib"])
     fixed = {ph: sum(v.get(ph, 0.0) for v in terms.values()) + share.asleep[ph] for ph in MEMORY_PHASES}
     terms.update(share.terms)
-    notes = _notes(resolved, kv, share, off_gen, prompt_tokens)
+    notes = _notes(resolved, kv, share, off_gen, prompt_tokens, state.trained)
+    notes += reward_model_notes(resolved)
     host = _host_offload(resolved, n, state, zero, off_gen, vllm_w)
     return Estimate(resolved, lay, gpu_gib, terms, fixed, share.awake, share.need, kv, notes, share.kv_budget, host)
-
-
-def summary(e: Estimate, util: float | None = None) -> dict[str, Any]:
-    """One estimate at a vLLM share (default the recipe's) as plain data, GiB rounded to 3 decimals."""
-    util = e.util if util is None else util
-    peak_phase, peak = e.peak(util)
-    return {
-        "vllm_gpu_memory_utilization": util,
-        "phases": {p: round(e.total(p, util), 3) for p in MEMORY_PHASES},
-        "peak": {"phase": peak_phase, "gib": round(peak, 3)},
-        "fits": e.fits,
-        "window": {
-            "lower": round(e.lower, 4),
-            "upper": round(e.upper, 4),
-            "upper_phase": e.upper_phase,
-            "chosen": e.chosen,
-            "margin": SHARE_MARGIN,
-        },
-        "kv": {**e.kv, "gib": round(e.kv["gib"], 3), "max_sequences": e.max_seqs(util)},
-        "host_gib_per_node": round(e.host_gib, 3),
-        "host_terms": {k: round(v, 3) for k, v in e.host.items()},
-    }

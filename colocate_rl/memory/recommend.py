@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from colocate_rl.errors import UserError
-from colocate_rl.memory.estimate import Estimate, estimate, summary
+from colocate_rl.memory.estimate import MEMORY_PHASES, SHARE_MARGIN, Estimate, estimate
 from colocate_rl.plan.deepspeed import ZeroLayout
 
 if TYPE_CHECKING:
@@ -23,6 +23,28 @@ CHANGES = (
     "TP",
     "shorter completions",
 )  # tried in this order (cheapest first) when a recipe does not fit
+
+
+def summary(e: Estimate, util: float | None = None) -> dict[str, Any]:
+    """One estimate at a vLLM share (default the recipe's) as plain data, GiB rounded to 3 decimals."""
+    util = e.util if util is None else util
+    peak_phase, peak = e.peak(util)
+    return {
+        "vllm_gpu_memory_utilization": util,
+        "phases": {p: round(e.total(p, util), 3) for p in MEMORY_PHASES},
+        "peak": {"phase": peak_phase, "gib": round(peak, 3)},
+        "fits": e.fits,
+        "window": {
+            "lower": round(e.lower, 4),
+            "upper": round(e.upper, 4),
+            "upper_phase": e.upper_phase,
+            "chosen": e.chosen,
+            "margin": SHARE_MARGIN,
+        },
+        "kv": {**e.kv, "gib": round(e.kv["gib"], 3), "max_sequences": e.max_seqs(util)},
+        "host_gib_per_node": round(e.host_gib, 3),
+        "host_terms": {k: round(v, 3) for k, v in e.host.items()},
+    }
 
 
 def _alternatives(name: str, e: Estimate) -> list[dict[str, Any]]:

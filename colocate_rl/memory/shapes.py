@@ -1,21 +1,22 @@
-"""Model shapes for the memory estimate: a dense decoder's `Layout` (and its exact parameter count) from a built-in
-layout (`colocate_rl.builtin_model.LAYOUTS`), a local model directory's config.json, or the HUB_LAYOUTS table of
-published configs. No torch, transformers or network."""
+"""Model shapes for the memory estimate: a decoder's `Layout` (and its exact parameter count) from a built-in layout
+(`colocate_rl.builtin_model.LAYOUTS`), a local model directory's config.json, the HUB_LAYOUTS table of published
+configs, or any other hub model's config.json (fetched through transformers' AutoConfig, config only: see
+`colocate_rl.model_config`). Only the model types of DECODERS are counted; any other is refused, never estimated
+as something it is not."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 from colocate_rl.builtin_model import LAYOUTS, builtin_layout
 from colocate_rl.errors import UserError
+from colocate_rl.model_config import looks_local, model_config
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A dense decoder (Qwen2 / Llama shapes)."""
+    """A decoder of Llama's shape (Qwen2/3, Mistral, Gemma 1-3; Mixtral and Qwen3-MoE experts)."""
 
     hidden: int
     layers: int
@@ -27,17 +28,47 @@ class Layout:
     max_positions: int = 32768
     qkv_bias: bool = True  # Qwen2 has q/k/v biases, Llama none
     head_dim: int | None = None
+    norms: int = 2  # RMSNorms of `hidden` per layer (Gemma 2 and 3: 4)
+    qk_norm: bool = False  # RMSNorms of q and k over the head dim (Qwen3, Gemma 3)
+    experts: int = 0  # mixture of experts: routed experts per MoE layer (0: a dense model)
+    active_experts: int = 0  # experts each token goes through
+    expert_intermediate: int = 0  # one expert's MLP width
+    moe_layers: int = 0  # layers whose MLP is the experts (with a router); the others have a dense MLP
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.hidden // self.heads
 
-    @property
-    def params(self) -> int:
-        """Exact: embeddings (+ lm_head unless tied); per layer q/k/v/o (+ biases), SwiGLU MLP, 2 norms; final norm."""
+    def _count(self, experts: int) -> int:
         q, kv, h = self.heads * self.hd, self.kv_heads * self.hd, self.hidden
         attn = 2 * h * q + 2 * h * kv + ((q + 2 * kv) if self.qkv_bias else 0)
-        return self.vocab * h * (1 if self.tie else 2) + self.layers * (attn + 3 * h * self.intermediate + 2 * h) + h
+        norms = self.norms * h + (2 * self.hd if self.qk_norm else 0)
+        moe = experts * 3 * h * self.expert_intermediate + h * self.experts  # the experts used, the router
+        mlp = (self.layers - self.moe_layers) * 3 * h * self.intermediate + self.moe_layers * moe
+        return self.vocab * h * (1 if self.tie else 2) + self.layers * (attn + norms) + mlp + h
+
+    @property
+    def params(self) -> int:
+        """Exact: embeddings (+ lm_head unless tied); per layer q/k/v/o (+ q/k/v biases), gated MLP (or every expert
+        and the router), norms; final norm."""
+        return self._count(self.experts)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token goes through: a MoE model's active experts instead of all (dense: params)."""
+        return self._count(self.active_experts)
+
+    @property
+    def largest_param(self) -> int:
+        """Elements of the largest tensor: the embedding, a dense MLP matrix, or a MoE layer's experts' fused gate
+        and up projections (transformers stores each layer's experts as one tensor)."""
+        return max(self.vocab, self.intermediate, 2 * self.experts * self.expert_intermediate) * self.hidden
+
+    @property
+    def active_intermediate(self) -> float:
+        """MLP width a token goes through, per layer on average (a MoE layer: its active experts together)."""
+        moe = self.moe_layers * self.active_experts * self.expert_intermediate
+        return (moe + (self.layers - self.moe_layers) * self.intermediate) / self.layers
 
 
 def _hub_table() -> dict[str, Layout]:
@@ -64,20 +95,75 @@ def _hub_table() -> dict[str, Layout]:
 HUB_LAYOUTS = _hub_table()
 
 
-def layout_from_config(cfg: dict[str, Any], source: str) -> Layout:
-    """A Layout from a Hugging Face config.json mapping (its `text_config` when it has one)."""
+# model_type → (tied embeddings when the config does not say, RMSNorms per layer, q/k norms): the decoders whose
+# parameters Layout counts; transformers' class defaults. Biases other than Qwen2's q/k/v (attention_bias: q/k/v/o,
+# mlp_bias) are counted only as q/k/v biases: the rest is < 0.1 % of a layer.
+DECODERS = {
+    "llama": (False, 2, False),
+    "mistral": (False, 2, False),
+    "qwen2": (False, 2, False),
+    "qwen3": (False, 2, True),
+    "gemma": (True, 2, False),
+    "gemma2": (True, 4, False),
+    "gemma3_text": (True, 4, True),
+    "mixtral": (False, 2, False),
+    "qwen3_moe": (False, 2, True),
+}
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _experts(cfg: dict[str, Any], kind: str) -> dict[str, int]:
+    """Layout's expert fields of a Mixtral or Qwen3-MoE config (no experts: {})."""
+    layers = cfg["num_hidden_layers"]
+    if kind == "mixtral":
+        experts, width, moe_layers = cfg.get("num_local_experts") or 0, cfg["intermediate_size"], layers
+    elif kind == "qwen3_moe":
+        experts, width = cfg.get("num_experts") or 0, cfg.get("moe_intermediate_size")
+        step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
+        moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    else:
+        return {}
+    if not experts:
+        return {}
+    return dict(
+        experts=experts,
+        active_experts=cfg.get("num_experts_per_tok") or 1,
+        expert_intermediate=width,
+        moe_layers=moe_layers,
+    )
+
+
+def layout_from_config(cfg: dict[str, Any], source: str, key: str = "model.name") -> Layout:
+    """A Layout from a Hugging Face config.json mapping (its `text_config` when it has one and no other part).
+    UserError naming `key` for a config that lacks the decoder's sizes, a multimodal model, a mixture of experts
+    other than Mixtral's and Qwen3-MoE's, or a model type not in DECODERS: refused, never estimated as dense."""
+    towers = [k for k in ("vision_config", "audio_config", "speech_config") if cfg.get(k)]
+    if towers:
+        raise UserError(
+            f"{key}: {source} is a multimodal model ({', '.join(towers)}); the memory estimate counts text decoders "
+            "only and would leave its encoders out: plan it by measuring (mem-probe without --estimate)"
+        )
     cfg = cfg.get("text_config") or cfg
     missing = [
         k
         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
         if not isinstance(cfg.get(k), int)
     ]
-    if missing or any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+    if missing:
         raise UserError(
-            f"model.name: {source} is not a dense decoder's config ("
-            + (f"no {', '.join(missing)}" if missing else "mixture of experts")
-            + "); mem-probe --estimate handles dense decoders only"
+            f"{key}: {source} is not a decoder's config (no {', '.join(missing)}); mem-probe --estimate handles "
+            f"decoders of the model types {', '.join(DECODERS)}"
         )
+    kind = cfg.get("model_type")
+    if kind not in DECODERS or (kind not in ("mixtral", "qwen3_moe") and any(cfg.get(k) for k in EXPERT_KEYS)):
+        what = "a mixture of experts" if any(cfg.get(k) for k in EXPERT_KEYS) else "a model"
+        raise UserError(
+            f"{key}: {source} is {what} of model_type {kind!r}, whose layout the memory estimate does not know "
+            f"(it knows {', '.join(DECODERS)}); refused rather than estimated wrong: plan it by measuring "
+            "(mem-probe without --estimate)"
+        )
+    tied, norms, qk_norm = DECODERS[kind]
+    tie = cfg.get("tie_word_embeddings")
     return Layout(
         cfg["hidden_size"],
         cfg["num_hidden_layers"],
@@ -85,27 +171,49 @@ def layout_from_config(cfg: dict[str, Any], source: str) -> Layout:
         cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
         cfg["intermediate_size"],
         cfg["vocab_size"],
-        bool(cfg.get("tie_word_embeddings", False)),
+        tied if tie is None else bool(tie),
         cfg.get("max_position_embeddings") or 32768,
-        qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qkv_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
         head_dim=cfg.get("head_dim"),
+        norms=norms,
+        qk_norm=qk_norm,
+        **_experts(cfg, kind),
     )
 
 
-def layout_for(name: str) -> Layout:
-    """`builtin:<layout>`, a local model directory (its config.json) or a hub id of HUB_LAYOUTS."""
+def layout_for(name: str, key: str = "model.name") -> Layout:
+    """`builtin:<layout>`, a local model directory (its config.json), a hub id of HUB_LAYOUTS, or another hub id
+    (its config fetched, or read from the Hugging Face cache offline). UserError as in `layout_from_config` and
+    `colocate_rl.model_config.model_config` (a hub config that cannot be had, a GGUF file)."""
     layout = builtin_layout(name)
     if layout is not None:
         return layout_from_config(dict(LAYOUTS[layout], model_type="qwen2"), name)
-    config = Path(name).expanduser() / "config.json"
-    if config.is_file():
-        try:
-            return layout_from_config(json.loads(config.read_text()), str(config))
-        except (OSError, ValueError) as e:
-            raise UserError(f"model.name: cannot read {config} ({e}); fix it or pass another model directory")
-    if name.lower() in HUB_LAYOUTS:
+    if not looks_local(name) and name.lower() in HUB_LAYOUTS:
         return HUB_LAYOUTS[name.lower()]
-    raise UserError(
-        f"model.name: no layout known for '{name}'; pass a local model directory (with config.json), "
-        "or add the layout to HUB_LAYOUTS in colocate_rl/memory/shapes.py"
-    )
+    return layout_from_config(model_config(name, key), f"'{name}'", key)
+
+
+def reward_model_params(name: str, key: str) -> int:
+    """Parameters of a sequence-classification reward model (checked before: one label): its decoder without the LM
+    head, plus the score head (hidden × 1)."""
+    lay = layout_for(name, key)
+    return replace(lay, tie=True).params + lay.hidden
+
+
+# The linear layers of a decoder layer: (input features, output features) as functions of the layout
+LINEAR_SHAPES = {
+    "q_proj": lambda lay: (lay.hidden, lay.heads * lay.hd),
+    "k_proj": lambda lay: (lay.hidden, lay.kv_heads * lay.hd),
+    "v_proj": lambda lay: (lay.hidden, lay.kv_heads * lay.hd),
+    "o_proj": lambda lay: (lay.heads * lay.hd, lay.hidden),
+    "gate_proj": lambda lay: (lay.hidden, lay.intermediate),
+    "up_proj": lambda lay: (lay.hidden, lay.intermediate),
+    "down_proj": lambda lay: (lay.intermediate, lay.hidden),
+}
+
+
+def lora_params(lay: Layout, r: int, target_modules: list[str] | str) -> int:
+    """Trainable parameters of LoRA adapters of rank `r` on `target_modules` (all-linear: every layer's linear
+    layers; names this layout does not have count nothing)."""
+    names = LINEAR_SHAPES if target_modules == "all-linear" else [n for n in target_modules if n in LINEAR_SHAPES]
+    return lay.layers * sum(r * sum(LINEAR_SHAPES[n](lay)) for n in names)

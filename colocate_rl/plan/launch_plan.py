@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from colocate_rl import rundir
+from colocate_rl.model_config import looks_local
 from colocate_rl.plan.engine_options import EngineOptions
 from colocate_rl.plan.identity import NODE_RANK_ENV, RECIPE_HASH_ENV, identity_hash, recipe_identity
 from colocate_rl.plan.launch_spec import LaunchSpec
@@ -71,7 +72,8 @@ def rank_env(resolved: Resolved, base_env: Mapping[str, str], cache_dir: Path) -
     }
     if resolved.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-    if resolved.builtin_layout:
+    hub_rewards = [r.model for r in resolved.recipe.rewards if r.model is not None and not looks_local(r.model)]
+    if resolved.builtin_layout and not hub_rewards:  # a hub reward model is downloaded on the ranks
         env["HF_HUB_OFFLINE"] = "1"
     return {k: v for k, v in env.items() if k not in base_env}
 

@@ -2,9 +2,10 @@
 
 `bind_to_host` decides everything that depends on the machine (ranks per node, generation backend, device,
 precision, the DeepSpeed JSON) and checks what needs the planned world size. It reads the files the
-recipe names (DeepSpeed JSON, the model's config.json, the data file's first rows, reward modules), calls each
-reward once on a sample completion, and checks `trainer.extra_args` against TRL's field types, but writes nothing
-and downloads nothing (a hub dataset is not opened). All problems are raised together in one UserError.
+recipe names (DeepSpeed JSON, the model's config.json, the data file's first rows, reward modules, reward models'
+config.json), calls each reward function once on a sample completion, and checks `trainer.extra_args` against TRL's
+field types, but writes nothing and downloads nothing but a hub reward model's config (a hub dataset is not opened).
+All problems are raised together in one UserError.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from colocate_rl.builtin_model import builtin_layout
 from colocate_rl.errors import UserError
+from colocate_rl.model_config import gguf_problem
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deepspeed_config
 from colocate_rl.plan.engine_options import ENGINE_ONLY_KEYS
+from colocate_rl.plan.evaluation import check_eval
 from colocate_rl.plan.host import Host
 from colocate_rl.plan.trl_args import check_extra_args
 from colocate_rl.recipe.schema import Recipe
@@ -61,6 +64,9 @@ def _check_model(recipe: Recipe) -> tuple[str | None, list[str]]:
         return None, e.lines
     if layout is not None:
         return layout, []
+    gguf = gguf_problem(name, "model.name")
+    if gguf:
+        return None, [gguf]
     path = Path(name).expanduser()
     looks_local = name.startswith((".", "/", "~")) or os.path.exists(path)  # never raises, unlike Path.exists
     config = path / "config.json"
@@ -115,13 +121,20 @@ def _check_data(recipe: Recipe) -> tuple[DataSample | None, list[str]]:
 
 
 def _check_rewards(recipe: Recipe, sample: DataSample | None) -> list[str]:
-    """Every reward imports, finds the columns it needs in the data, and returns one number per completion when
-    called once on a sample completion of the data's first rows (not for a hub dataset, which is not opened)."""
-    from colocate_rl.data_check import check_reward_on_sample
+    """Every reward function imports, finds the columns it needs in the data, and returns one number per completion
+    when called once on a sample completion of the data's first rows (not for a hub dataset, which is not opened);
+    every reward model is a one-label sequence classifier (its config read, the model not loaded)."""
+    from colocate_rl.data_check import check_reward_model, check_reward_on_sample
     from colocate_rl.rewards import resolve_reward, reward_columns
 
     problems = []
     for i, reward in enumerate(recipe.rewards):
+        if reward.model is not None:
+            try:
+                check_reward_model(reward.model, key=f"rewards[{i}].model", chat=recipe.data.chat)
+            except UserError as e:
+                problems.extend(e.lines)
+            continue
         key = f"rewards[{i}].name"
         try:
             fn = resolve_reward(reward.name, key=key)
@@ -319,6 +332,7 @@ def bind_to_host(recipe: Recipe, host: Host) -> Resolved:
     problems += backend_problems + precision_problems + _check_batch(recipe, nproc) + _check_nodes(recipe)
     sample, data_problems = _check_data(recipe)
     problems += deepspeed_problems + model_problems + data_problems + _check_rewards(recipe, sample)
+    problems += check_eval(recipe, sample)
     problems += check_extra_args(recipe)
     if recipe.distributed.zero_stage != "auto":  # auto: the engine's constraints filter the layout candidates
         problems += check_engine(recipe, deepspeed)

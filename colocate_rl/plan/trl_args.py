@@ -42,7 +42,9 @@ MANAGED_TRL_FIELDS = {
 }
 
 
-# TRL/transformers fields that turn on evaluation during training, which needs an eval dataset no recipe gives.
+# TRL/transformers fields of TRL's own evaluation, which colocate-rl does not run: it generates at the training
+# temperature with num_generations_eval per prompt and adds a loss pass. The recipe's `eval:` section evaluates instead
+# (colocate_rl.rank.evaluation).
 EVALUATION_FIELDS = {
     "eval_strategy",
     "eval_steps",
@@ -51,6 +53,17 @@ EVALUATION_FIELDS = {
     "eval_delay",
     "load_best_model_at_end",
     "metric_for_best_model",
+    "greater_is_better",
+    "per_device_eval_batch_size",
+    "eval_accumulation_steps",
+    "num_generations_eval",
+    "eval_do_concat_batches",
+    "eval_use_gather_object",
+    "batch_eval_metrics",
+    "bf16_full_eval",
+    "fp16_full_eval",
+    "prediction_loss_only",
+    "include_for_metrics",
 }
 
 
@@ -182,8 +195,8 @@ def check_extra_args(recipe: Recipe) -> list[str]:
             problems.append(f"{path}: colocate-rl sets this itself; use {MANAGED_TRL_FIELDS[key]}")
         elif key in EVALUATION_FIELDS:
             problems.append(
-                f"{path}: colocate-rl runs no held-out evaluation yet (a recipe names no eval dataset, so TRL's "
-                "evaluation would stop every rank); remove it"
+                f"{path}: TRL's own evaluation is not used; remove it and evaluate with the recipe's eval section "
+                "(eval.every_steps, eval.num_samples, eval.temperature, eval.source)"
             )
         elif key not in known:
             hint = did_you_mean(key, known) or f"see TRL's {config_name} for valid names"

@@ -120,6 +120,7 @@ class ColocatedEngine(VLLMGeneration):
         self._asleep: set[str] = set()  # vLLM memory tags currently released
         self._weights_valid = True  # vLLM's weights equal the trainer's last push (or the checkpoint, at start)
         self._offloaded = False
+        self._merge = None  # LoRA: the adapted model as vLLM sees it (colocate_rl.rank.lora.AdapterMerge)
         self.last_check: list[str] = []  # parameters compared after the last push
 
     # ------------------------------------------------------------------ engine start
@@ -232,8 +233,14 @@ class ColocatedEngine(VLLMGeneration):
         from accelerate.utils import is_peft_model
 
         engine_model = self._engine_model()
-        if is_peft_model(self.model) or self._dist.is_fsdp:
-            # Adapters must be merged over the whole model first: TRL's iterator does that; loads stay bucketed.
+        if is_peft_model(self.model):  # base + adapter, merged out of place bucket by bucket
+            merge = self._adapter_merge()
+            for bucket in weight_buckets(merge.named_params(), self.options.bucket_bytes):
+                params = [p for _, p in bucket]
+                with self._dist.gather_params(params + merge.adapter_params(params)):
+                    engine_model.load_weights([(name, merge.value(p)) for name, p in bucket])
+            return
+        if self._dist.is_fsdp:  # TRL's iterator; loads stay bucketed
             for bucket in weight_buckets(self._iter_named_params(), self.options.bucket_bytes):
                 engine_model.load_weights(bucket)
             return
@@ -254,18 +261,34 @@ class ColocatedEngine(VLLMGeneration):
         self._weights_valid = True
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
+    def _adapter_merge(self):
+        from colocate_rl.rank.lora import AdapterMerge
+
+        if self._merge is None:
+            self._merge = AdapterMerge(self.model, self._fix_param_name_to_vllm)
+        return self._merge
+
     def check_weights(self) -> None:
         """Compare a few of vLLM's tensors with the trainer's current ones (gathered under ZeRO-3, independently
-        of the push); raise StaleWeightsError on any difference. PEFT and FSDP models are not checked."""
+        of the push; with LoRA also the last layer's adapted weights, merged again); raise StaleWeightsError on any
+        difference. FSDP models are not checked."""
         from accelerate.utils import is_peft_model
 
-        if is_peft_model(self.model) or self._dist.is_fsdp:
+        if self._dist.is_fsdp:
             return
-        params = dict(self._named_params_for_push())
+        peft = is_peft_model(self.model)
+        params = dict(self._adapter_merge().named_params() if peft else self._named_params_for_push())
         names = check_names(list(params), self.tensor_parallel_size)
         with self._dist.gather_params([params[n] for n in names]):
             trainer = {n: params[n].data.detach().clone() for n in names}
-        self.last_check = names
+        if peft:
+            from colocate_rl.rank.lora import expected_tensors
+
+            merge = self._adapter_merge()
+            trainer.update(
+                expected_tensors(merge, merge.check_targets(self.tensor_parallel_size), self._dist.gather_params)
+            )
+        self.last_check = list(trainer)
         problems = compare_weights(trainer, dict(self._engine_model().named_parameters()))
         if problems:
             raise StaleWeightsError(

@@ -146,6 +146,8 @@ def build_trainer(run_dir: Path):
     from colocate_rl.builtin_model import builtin_layout
     from colocate_rl.prompts import load_prompts
     from colocate_rl.rank.checkpoints import make_checkpoint_callback
+    from colocate_rl.rank.evaluation import held_out_rows, make_eval_callback
+    from colocate_rl.rank.lora import peft_config
     from colocate_rl.rank.same_recipe import check_same_recipe
     from colocate_rl.rank.telemetry import Telemetry
     from colocate_rl.recipe.load import load_recipe
@@ -172,15 +174,21 @@ def build_trainer(run_dir: Path):
         system_prompt=data.system_prompt,
         num_samples=data.num_samples,
         seed=recipe.trainer.seed,
+        held_out=held_out_rows(recipe),
     )
+    # a reward model goes to TRL as its path or hub id: TRL loads it (AutoModelForSequenceClassification, num_labels
+    # 1, the policy's dtype) with its own tokenizer and logs it under the path's last part
     rewards = [
-        checked_reward(resolve_reward(r.name, key=f"rewards[{i}].name"), f"rewards[{i}].name {r.name}")
+        os.path.normpath(os.path.expanduser(r.model))
+        if r.model is not None
+        else checked_reward(resolve_reward(r.name, key=f"rewards[{i}].name"), f"rewards[{i}].name {r.name}")
         for i, r in enumerate(recipe.rewards)
     ]
     tokenizer = load_tokenizer(launch.model_path, builtin_layout(recipe.model.name) is not None)
     telemetry = Telemetry(run_dir, resume=launch.resume_from is not None)
     callback = make_metrics_callback(paths.metrics, telemetry)
     checkpoints = make_checkpoint_callback(run_dir, recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes)
+    evaluation = make_eval_callback(recipe)  # None unless eval.every_steps
 
     if recipe.algorithm == "grpo":
         from trl import GRPOConfig as Config
@@ -207,9 +215,12 @@ def build_trainer(run_dir: Path):
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[callback, checkpoints],
+        callbacks=[c for c in (callback, checkpoints, evaluation) if c is not None],
+        peft_config=peft_config(recipe.model.lora) if recipe.model.lora else None,
     )
     callback.trainer = trainer
+    if evaluation is not None:
+        evaluation.trainer = trainer
     telemetry.instrument(trainer)
     merge_telemetry_into_logs(trainer, telemetry)
     return recipe, launch, trainer, checkpoints
@@ -240,7 +251,7 @@ def run(run_dir: Path) -> None:
             dist.destroy_process_group()
         return
     if recipe.output.save_model:
-        save_final(trainer, paths)
+        save_final(trainer, paths, recipe, launch)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     if trainer.is_world_process_zero():
@@ -251,18 +262,26 @@ def run(run_dir: Path) -> None:
         dist.destroy_process_group()
 
 
-def save_final(trainer, paths: RunDir) -> None:
-    """The final model and tokenizer, written to `final.partial/` and renamed to `final/` once complete: a save cut
-    off (a full disk) never leaves a directory that looks like a model."""
+def save_final(trainer, paths: RunDir, recipe, launch: LaunchSpec) -> None:
+    """The final model (with LoRA: the adapter, and on request the merged model in `merged/`) and tokenizer, written
+    to `final.partial/` and renamed to `final/` once complete: a save cut off (a full disk) never leaves a directory
+    that looks like a model. Weights are stored in the training dtype."""
     import shutil
 
     import torch.distributed as dist
 
     partial = paths.path / f"{FINAL}.partial"
+    dtype = launch.trl_args.get("model_init_kwargs", {}).get("dtype", "float32")
     try:
         trainer.save_model(str(partial))
         if trainer.is_world_process_zero():
+            cast_saved_weights(partial, dtype)
             trainer.processing_class.save_pretrained(str(partial))
+            if recipe.model.lora and recipe.model.lora.save_merged:
+                from colocate_rl.rank.lora import save_merged
+
+                save_merged(partial, launch.model_path, partial / "merged", dtype)
+                trainer.processing_class.save_pretrained(str(partial / "merged"))
     except OSError as e:
         raise UserError(
             f"{partial}: saving the final model failed ({e.strerror or e}); free space there and resume from the last "
@@ -274,6 +293,27 @@ def save_final(trainer, paths: RunDir) -> None:
         if paths.final.exists():
             shutil.rmtree(paths.final)
         os.replace(partial, paths.final)
+
+
+def cast_saved_weights(directory: Path, dtype: str) -> list[str]:
+    """Rewrite the model's `model*.safetensors` files in `directory` whose floating tensors are not `dtype` (a trainer
+    may hand back fp32 master weights of a bf16 model; a LoRA adapter keeps its own dtype); returns the files
+    rewritten."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    want, rewritten = getattr(torch, dtype), []
+    stored = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    for path in sorted(Path(directory).glob("model*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            if all(stored.get(f.get_slice(k).get_dtype(), want) == want for k in f.keys()):
+                continue
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        save_file({k: t.to(want) if t.is_floating_point() else t for k, t in tensors.items()}, str(path), metadata)
+        rewritten.append(path.name)
+    return rewritten
 
 
 def config_args(config_cls: type, args: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import copy
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,10 +114,26 @@ def _check_expansion(data: Any) -> str | None:
     return None
 
 
-def _parse_yaml(text: str) -> Any:
+class _SetLoader(_RecipeLoader):
+    """The recipe loader for `--set` values, which also reads 1e-5 (no dot) as a number, as YAML 1.2 does."""
+
+
+class _SetDumper(yaml.SafeDumper):
+    """Writes what `_SetLoader` reads back the same (quotes the text 1e-5)."""
+
+
+for _side in (_SetLoader, _SetDumper):
+    _side.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+        list("-+.0123456789"),
+    )
+
+
+def _parse_yaml(text: str, loader: type[_RecipeLoader] = _RecipeLoader) -> Any:
     """YAML text → data under the recipe's rules; raises _YamlProblem (a rule) or yaml.YAMLError (syntax)."""
     try:
-        data = yaml.load(text, Loader=_RecipeLoader)  # a SafeLoader subclass: plain data only
+        data = yaml.load(text, Loader=loader)  # a SafeLoader subclass: plain data only
     except RecursionError:
         raise _YamlProblem("nested too deeply; a recipe is a few levels deep")
     problem = _check_expansion(data)
@@ -211,31 +227,102 @@ def secret_keys(data: Any, prefix: str = "") -> list[str]:
     return found
 
 
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    """`--set KEY=VALUE` strings as overrides: dotted key → value (parsed as YAML). A key given twice keeps its last
-    value, in the position of its last occurrence. Fails (UserError) on an item without a dotted key."""
+def _text_key(key: str) -> bool:
+    """Whether the schema field at the dotted `key` holds text: `str` (optional or not) or a choice of strings."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    def kinds_of(annotation: Any) -> list[Any]:  # `A | B | None` → [A, B]
+        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        return [a for a in (typing.get_args(annotation) if union else (annotation,)) if a is not type(None)]
+
+    model: Any = Recipe
+    kinds: list[Any] = []
+    for part in key.split("."):
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return False
+        kinds = kinds_of(field.annotation)
+        sections = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]  # model.lora: a section
+        model = sections[0] if len(sections) == 1 else None
+    return bool(kinds) and all(
+        kind is str
+        or (typing.get_origin(kind) is typing.Literal and all(isinstance(v, str) for v in typing.get_args(kind)))
+        for kind in kinds
+    )
+
+
+def parse_set_value(key: str, raw: str) -> Any:
+    """The value `--set KEY=RAW` gives: for a text key (`_text_key`: data.system_prompt, model.name, ...) the text
+    as typed (inside its quotes when it is one quoted YAML string), `null` meaning null; for any other key the YAML value (1e-5 a number; text that is not YAML, the
+    text). Fails (UserError) on YAML this package refuses (an alias bomb)."""
+    if _text_key(key):
+        if len(raw) > 1 and raw[0] == raw[-1] and raw[0] in "'\"":  # quoted as YAML text: the text inside
+            try:
+                quoted = _parse_yaml(raw, _SetLoader)
+            except (_YamlProblem, yaml.YAMLError):
+                quoted = None
+            if isinstance(quoted, str):
+                return quoted
+        return None if raw == "null" else raw
+    if not raw.strip():
+        return ""
+    try:
+        return _parse_yaml(raw, _SetLoader)
+    except _YamlProblem as e:
+        raise UserError(f"--set {key}: {e.message}")
+    except yaml.YAMLError:  # not YAML: the text itself
+        return raw
+
+
+def _split_set(item: str, option: str) -> tuple[str, str]:
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise UserError(f"{option} {item!r}: expected KEY=VALUE with a dotted key, e.g. --set trainer.max_steps=20")
+    return key, raw
+
+
+def parse_sets(items: Sequence[str], strings: Sequence[str] = ()) -> dict[str, Any]:
+    """`--set KEY=VALUE` strings (`parse_set_value`), then `--set-str KEY=VALUE` strings (always the text as
+    typed), as overrides: dotted key → value. A key given twice keeps its last value, in the position of its last
+    occurrence. Fails (UserError) on an item without a dotted key."""
     overrides: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise UserError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set trainer.max_steps=20")
-        try:
-            value = _parse_yaml(raw) if raw.strip() else ""
-        except _YamlProblem as e:
-            raise UserError(f"--set {key}: {e.message}")
-        except yaml.YAMLError:  # not YAML: the text itself
-            value = raw
-        overrides.pop(key, None)
-        overrides[key] = value
+    for option, entries in (("--set", items), ("--set-str", strings)):
+        for item in entries:
+            key, raw = _split_set(item, option)
+            overrides.pop(key, None)
+            overrides[key] = raw if option == "--set-str" else parse_set_value(key, raw)
     return overrides
 
 
 def format_sets(overrides: Mapping[str, Any]) -> list[str]:
-    """Overrides as `KEY=VALUE` strings that `--set` (and `parse_sets`) read back to the same values."""
+    """Overrides as `KEY=VALUE` strings that `--set` (and `parse_sets`) read back to the same values. Fails
+    (ValueError) on one `--set` cannot give."""
     import json
 
-    return [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in overrides.items()]
+    def same(a: Any, b: Any) -> bool:  # 1, 1.0 and true differ
+        return json.dumps(a, sort_keys=True, default=repr) == json.dumps(b, sort_keys=True, default=repr)
+
+    items = []
+    for key, value in overrides.items():
+        if isinstance(value, str):
+            candidates = [value, json.dumps(value)]
+        elif isinstance(value, (dict, list)):  # YAML flow style keeps 1.0e-05 a number and quotes `yes`
+            candidates = [
+                yaml.dump(value, Dumper=_SetDumper, default_flow_style=True, sort_keys=False, width=1 << 30).strip()
+            ]
+        else:
+            candidates = [json.dumps(value)]
+        text = next((c for c in candidates if same(parse_set_value(key, c), value)), None)
+        if text is None:
+            raise ValueError(
+                f"--set cannot give {key}={value!r}" + ("; --set-str can" if isinstance(value, str) else "")
+            )
+        items.append(f"{key}={text}")
+    return items
 
 
 def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -275,7 +362,9 @@ def parse_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
 
 
 def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
-    """Read, override and validate a recipe file (no cross-field checks: see `colocate_rl.plan.resolve`)."""
+    """Read, override and validate a recipe file (no cross-field checks: see `colocate_rl.plan.resolve`). Paths are
+    taken as written: for a run directory's recipe.yaml, which holds them absolute (`colocate_rl.pipeline`
+    resolves a user's recipe, `colocate_rl.recipe.paths`)."""
     data = apply_overrides(read_yaml(Path(path)), overrides or {})
     return parse_recipe(data, str(path))
 
@@ -286,12 +375,23 @@ def dump_recipe(recipe: Recipe, exclude: dict | None = None) -> str:
     return yaml.safe_dump(recipe.model_dump(mode="json", exclude=exclude), sort_keys=False, default_flow_style=False)
 
 
-def write_recipe_copy(target: Path, source: Path, overrides: Mapping[str, Any], header: str) -> None:
-    """A copy of the recipe at `source` with `overrides` applied and a `# header` line, written whole or not at all
-    (temporary file + rename). Fails (UserError) when the target's directory does not exist."""
+def write_recipe_copy(
+    target: Path, source: Path, overrides: Mapping[str, Any], header: str, cwd: Path | None = None
+) -> None:
+    """A copy of the recipe at `source` with `overrides` (typed in `cwd`, default the current directory) applied and
+    a `# header` line, written whole or not at all (temporary file + rename). Its paths name the same files as the
+    recipe's and the overrides': as written where that still holds from the target's directory, else absolute.
+    Fails (UserError) when the target's directory does not exist."""
+    from colocate_rl.recipe.paths import keep_spelling, resolve_override_paths, resolve_paths
+
     if not target.parent.is_dir():
         raise UserError(f"--write: {target.parent} is not a directory; create it or choose another file name")
-    text = f"# {header}\n" + yaml.safe_dump(apply_overrides(read_yaml(source), overrides), sort_keys=False)
+    data = read_yaml(source)
+    resolved = apply_overrides(
+        resolve_paths(data, Path(source).parent, cwd=cwd, overridden=overrides), resolve_override_paths(overrides, cwd)
+    )
+    copied = keep_spelling(apply_overrides(data, overrides), resolved, target.parent)
+    text = f"# {header}\n" + yaml.safe_dump(copied, sort_keys=False)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(text)

@@ -18,6 +18,7 @@ from pydantic import (
     PositiveInt,
     Strict,
     field_validator,
+    model_validator,
 )
 
 SIZE_UNITS = {
@@ -70,6 +71,22 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class LoraSection(_Section):
+    """LoRA adapters (PEFT) instead of training every weight: the base model stays frozen."""
+
+    r: Count = Field(16, description="Rank of the adapter matrices.")
+    alpha: Count = Field(32, description="Scaling numerator: the update is scaled by alpha / r.")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: list[Annotated[str, Field(min_length=1)]] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Module names that get adapters (e.g. [q_proj, v_proj]), or all-linear: every linear layer "
+        "but the output head.",
+    )
+    save_merged: bool = Field(
+        False, description="Also save the base model with the adapter merged in to <run_dir>/final/merged."
+    )
+
+
 class ModelSection(_Section):
     """What to train."""
 
@@ -81,6 +98,15 @@ class ModelSection(_Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Weights dtype; auto = bfloat16 on GPU, float32 on CPU."
     )
+    lora: LoraSection | None = Field(
+        None, description="Train LoRA adapters instead of the full model (null: full fine-tuning)."
+    )
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_switch(cls, value):
+        """`lora: true` is LoRA with the defaults, `lora: false` full fine-tuning."""
+        return {} if value is True else None if value is False else value
 
 
 class DataSection(_Section):
@@ -99,13 +125,27 @@ class DataSection(_Section):
 
 
 class RewardSpec(_Section):
-    """One reward function."""
+    """One reward: a function (`name`) or a reward model (`model`)."""
 
-    name: str = Field(
-        description="Built-in name (digit_share, answer_match, math_verify, format_think, length_penalty), "
-        "`package.module:function` or `path/to/file.py:function`."
+    name: str | None = Field(
+        None,
+        description="A reward function: built-in name (digit_share, answer_match, math_verify, format_think, "
+        "length_penalty), `package.module:function` or `path/to/file.py:function`. Give `name` or `model`.",
+    )
+    model: str | None = Field(
+        None,
+        description="A reward model instead: a local directory or hub id of a sequence-classification model with "
+        "one label (`...ForSequenceClassification`, num_labels 1), loaded on every rank; its score of prompt + "
+        "completion is the reward, logged under the last part of the path or id.",
     )
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
+
+    @model_validator(mode="after")
+    def _name_or_model(self):
+        if (self.name is None) == (self.model is None):
+            which = "both name and model" if self.name is not None else "neither name nor model"
+            raise ValueError(f"has {which}; give one per list item: name (a reward function) or model (a reward model)")
+        return self
 
 
 class TrainerSection(_Section):
@@ -210,6 +250,29 @@ class GenerationSection(_Section):
     )
 
 
+class EvalSection(_Section):
+    """Held-out evaluation during training: one completion per held-out prompt, scored by every reward."""
+
+    every_steps: Count | None = Field(
+        None,
+        description="Evaluate every N optimizer steps and after the last step; null = no evaluation "
+        "(the other eval keys are then unused).",
+    )
+    source: str | None = Field(
+        None,
+        description="Prompts to evaluate on; null = a held-out part of data.source (a built-in task: prompts from "
+        "another seed, none that training uses; a local file: its last eval.num_samples rows, which training then "
+        "leaves out; a hub dataset: its eval.split). Else builtin:<task>, a local .jsonl/.json/.parquet file or a "
+        "hub dataset id other than data.source, read with data.prompt_field, data.chat and data.system_prompt.",
+    )
+    split: str = Field("test", description="Split evaluated on, of a hub dataset (must differ from data.split).")
+    subset: str | None = Field(None, description="Dataset configuration of a hub dataset; null = data.subset.")
+    num_samples: Count = Field(
+        64, description="Held-out prompts per evaluation (the first N of eval.source), spread over the ranks."
+    )
+    temperature: NonNegativeFloat = Field(0.0, description="Sampling temperature of the evaluation; 0 = greedy.")
+
+
 class DistributedSection(_Section):
     """Processes, nodes and DeepSpeed."""
 
@@ -288,9 +351,10 @@ class Recipe(_Section):
     algorithm: Literal["grpo", "rloo"] = Field("grpo", description="TRL trainer: GRPOTrainer or RLOOTrainer.")
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
-    rewards: list[RewardSpec] = Field(min_length=1, description="Reward functions (at least one).")
+    rewards: list[RewardSpec] = Field(min_length=1, description="Reward functions and reward models (at least one).")
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     generation: GenerationSection = Field(default_factory=GenerationSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     watchdog: WatchdogSection = Field(default_factory=WatchdogSection)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from colocate_rl.errors import UserError
-from colocate_rl.rundir import RunDir, step_records
+from colocate_rl.rundir import RunDir, read_metrics, step_records
 from colocate_rl.telemetry.timeline import TIMED_PHASES, Timeline, finite, innermost_spans, read_timelines
 
 PHASES = (*TIMED_PHASES, "other")  # "other": the step's time outside every timed phase
@@ -57,6 +57,18 @@ class Run:
     path: Path
     steps: list[dict[str, Any]]  # metrics.jsonl records that carry a reward
     timelines: list[Timeline]
+    evals: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl records of held-out evaluations
+
+
+def eval_records(run_dir: Path) -> list[dict[str, Any]]:
+    """One record per evaluated step (those with `eval/reward`), in step order; a step redone after a resume: its
+    last record."""
+    by_step = {
+        r["step"]: r
+        for r in read_metrics(run_dir)
+        if type(r.get("step")) is int and finite(r, "eval/reward") is not None
+    }
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def load_run(run_dir: Path | str) -> Run:
@@ -69,7 +81,7 @@ def load_run(run_dir: Path | str) -> Run:
     steps = [r for r in step_records(path) if finite(r, "reward") is not None]  # a redone step: its last record
     if not steps:
         raise UserError(f"{metrics}: no training step logged yet; run report again once the run has logged a step")
-    return Run(path, steps, [t for t in read_timelines(path) if t.points])
+    return Run(path, steps, [t for t in read_timelines(path) if t.points], eval_records(path))
 
 
 def _phases(steps: list[dict]) -> list[str]:
@@ -128,6 +140,9 @@ def run_summary(run: Run) -> dict[str, float | str]:
         out["telemetry overhead (% of step time)"] = 100 * sum(o for o, _ in both) / sum(s for _, s in both)
     if (wall := finite(last, "wall_s")) is not None:
         out["wall time at last step (s)"] = wall
+    if run.evals:
+        out["eval reward (first eval)"] = run.evals[0]["eval/reward"]
+        out["eval reward (last eval)"] = run.evals[-1]["eval/reward"]
     return out
 
 
@@ -333,7 +348,7 @@ def plot_step_breakdown(runs: list[Run], path: Path) -> Path | None:
 
 
 def plot_reward(runs: list[Run], path: Path) -> Path:
-    """Reward per step, one panel per run (shared y)."""
+    """Reward per step (and the held-out eval/reward where evaluated), one panel per run (shared y)."""
     fig, axes = _panels(runs, width=6.0)
     for ax, run, name in zip(axes[0], runs, _names(runs)):
         ax.plot(
@@ -341,12 +356,36 @@ def plot_reward(runs: list[Run], path: Path) -> Path:
             [r["reward"] for r in run.steps],
             marker="o" if len(run.steps) <= 60 else None,
             markersize=3,
+            label="training (reward)",
         )
+        if run.evals:
+            evals = [r["step"] for r in run.evals], [r["eval/reward"] for r in run.evals]
+            ax.plot(*evals, marker="s", markersize=4, color="tab:red", label="held-out (eval/reward)")
+            ax.legend(fontsize="small")
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("mean reward")
     fig.suptitle("Reward per step")
+    return _save(fig, path)
+
+
+def plot_eval(runs: list[Run], path: Path) -> Path | None:
+    """Held-out evaluation per evaluated step: eval/reward and each eval/<reward>, one panel per run (shared y)."""
+    if not any(run.evals for run in runs):
+        return None
+    fig, axes = _panels(runs, width=6.0)
+    for ax, run, name in zip(axes[0], runs, _names(runs)):
+        keys = dict.fromkeys(k for r in run.evals for k in r if k.startswith("eval/") and k != "eval/completion_length")
+        for key in sorted(keys, key=lambda k: k != "eval/reward"):  # the weighted sum first, bold
+            points = [(r["step"], v) for r in run.evals if (v := finite(r, key)) is not None]
+            ax.plot(*zip(*points), marker="s", markersize=4, label=key, linewidth=2.5 if key == "eval/reward" else 1)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0][0].set_ylabel("mean over held-out prompts")
+    fig.suptitle("Held-out evaluation (eval/reward: weighted sum of the rewards)")
     return _save(fig, path)
 
 
@@ -371,6 +410,7 @@ def report(run_dirs: list[Path | str], out: Path | str | None = None, console: C
         ("memory_timeline", plot_memory_timeline, "no timeline/rank*.jsonl with memory samples"),
         ("step_breakdown", plot_step_breakdown, "no phase timing (time/*_s) in metrics.jsonl"),
         ("reward", plot_reward, ""),
+        ("eval", plot_eval, "no eval/reward in metrics.jsonl (the recipe's eval section is off)"),
     ):
         name = ("compare_" if len(runs) == 2 else "") + name + ".png"
         path = plot(runs, target / name)
