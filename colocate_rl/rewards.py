@@ -106,13 +106,23 @@ def format_think(prompts, completions, **kwargs) -> list[float]:
     return rewards
 
 
+_HASH_ANSWER = re.compile(r"^####\s*-?[0-9][0-9,]*(?:\.[0-9]+)?\s*$", re.MULTILINE)
+
+
+def hash_answer_format(prompts, completions, **kwargs) -> list[float]:
+    """1.0 if the completion gives its final answer on a GSM8K line `#### N` (N a number), else 0.0."""
+    return [1.0 if _HASH_ANSWER.search(completion_text(c)) else 0.0 for c in completions]
+
+
 def length_penalty(prompts, completions, **kwargs) -> list[float]:
     """-(characters / 1000) of the completion."""
     return [-(len(completion_text(c)) / 1000) for c in completions]
 
 
 REWARD_COLUMNS = {"answer_match": ("answer",), "math_verify": ("answer",)}  # dataset columns a built-in reward needs
-BUILTIN_REWARDS = {f.__name__: f for f in (digit_share, answer_match, math_verify, format_think, length_penalty)}
+BUILTIN_REWARDS = {
+    f.__name__: f for f in (digit_share, answer_match, math_verify, format_think, hash_answer_format, length_penalty)
+}
 
 
 def _import_file(target: str, key: str):

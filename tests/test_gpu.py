@@ -510,3 +510,61 @@ def test_gpu_memory_at_the_step_end_does_not_grow_over_500_steps(tmp_path):
     }
     print(json.dumps(figures))
     assert slope * 1024 < 1.0, figures
+
+
+REAL_MODEL = os.environ.get("REAL_MODEL_DIR")  # SmolLM2-135M-Instruct as a transformers directory
+REAL_DATA = os.environ.get("REAL_DATA_DIR")  # gsm_symbolic_{train,test}.jsonl (../shared/real-model/data)
+
+
+@pytest.mark.skipif(not (REAL_MODEL and REAL_DATA), reason="needs REAL_MODEL_DIR and REAL_DATA_DIR")
+@pytest.mark.parametrize("lora", [True], ids=["lora"])
+def test_real_model_with_eval(tmp_path, lora):
+    """recipes/smollm2-135m-gsm8k.yaml on the real model and data: GRPO with held-out greedy evaluation through the
+    colocated engine; with LoRA vLLM generates from base + adapter (the weight check compares the adapted weights
+    on every step), final/ holds the adapter and merged/ the merged model."""
+    from colocate_rl.rundir import step_records
+
+    run = tmp_path / "run"
+    steps = int(os.environ.get("REAL_STEPS", "30"))
+    sets = [
+        f"model.name={REAL_MODEL}",
+        f"data.source={REAL_DATA}/gsm_symbolic_train.jsonl",
+        f"eval.source={REAL_DATA}/gsm_symbolic_test.jsonl",
+        f"trainer.max_steps={steps}",
+        "eval.every_steps=10",
+        "eval.num_samples=64",
+        "generation.enforce_eager=true",
+    ]
+    if lora:
+        sets += ["model.lora={r: 16, alpha: 32, save_merged: true}", "trainer.learning_rate=2.0e-4"]
+    args = ["train", "recipes/smollm2-135m-gsm8k.yaml", "--run-dir", str(run)]
+    for item in sets:
+        args += ["--set", item]
+    result = cli(args, ONE)
+    log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
+    assert result.returncode == 0, result.stdout[-3000:] + log[-8000:]
+    records = read_metrics(run)
+    train_steps = step_records(run)
+    evals = [r for r in records if "eval/reward" in r]
+    assert len(train_steps) == steps and [r["step"] for r in evals] == list(range(10, steps + 1, 10))
+    assert all(r.get("time/weight_check_s", 0) > 0 for r in train_steps)
+    final = run / "final"
+    if lora:
+        assert (final / "adapter_model.safetensors").is_file() and (final / "merged" / "config.json").is_file()
+    print(
+        json.dumps(
+            {
+                "lora": lora,
+                "eval_reward": [(r["step"], round(r["eval/reward"], 4)) for r in evals],
+                "eval_by_reward": {k: v for k, v in evals[-1].items() if k.startswith("eval/")},
+                "reward_first_last5": [
+                    round(statistics.mean(r["reward"] for r in train_steps[:5]), 4),
+                    round(statistics.mean(r["reward"] for r in train_steps[-5:]), 4),
+                ],
+                "s_per_step_median": statistics.median(r["time/step_s"] for r in train_steps[1:]),
+                "sync_s_median": statistics.median(r.get("time/weight_sync_s", 0) for r in train_steps[1:]),
+                "gpu_peak_gib_max": max(r["mem/gpu_peak_gib"] for r in train_steps),
+                "final_mib": round(sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 2**20, 1),
+            }
+        )
+    )

@@ -89,6 +89,8 @@ def _hub_table() -> dict[str, Layout]:
     for size, shape in {"8b": (4096, 32, 32, 8, 14336), "70b": (8192, 80, 64, 8, 28672)}.items():
         for suffix in ("", "-instruct"):
             table[f"meta-llama/meta-llama-3-{size}{suffix}"] = Layout(*shape, 128256, False, 8192, qkv_bias=False)
+    for name in ("huggingfacetb/smollm2-135m", "huggingfacetb/smollm2-135m-instruct"):
+        table[name] = Layout(576, 30, 9, 3, 1536, 49152, True, 8192, qkv_bias=False)
     return table
 
 

@@ -130,7 +130,7 @@ class RewardSpec(_Section):
     name: str | None = Field(
         None,
         description="A reward function: built-in name (digit_share, answer_match, math_verify, format_think, "
-        "length_penalty), `package.module:function` or `path/to/file.py:function`. Give `name` or `model`.",
+        "hash_answer_format, length_penalty), `package.module:function` or `path/to/file.py:function`. Give `name` or `model`.",
     )
     model: str | None = Field(
         None,
