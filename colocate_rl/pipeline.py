@@ -2,7 +2,7 @@
 
     find_recipe → read YAML → paths made absolute (colocate_rl.recipe.paths) → layer node keys and overrides (defaults < recipe < Slurm < overrides and node flags)
     → parse (schema) → bind to the host (cross-field checks) → auto layout (zero_stage / gradient_checkpointing
-    auto) → plan
+    auto) → auto sleep level (generation.sleep_level auto) → plan
 
 Overrides travel as a mapping of dotted key → value (`colocate_rl.recipe.load.parse_sets` turns `--set` strings
 into one). Every step raises UserError with one line per problem; nothing here writes a file. Torch-free.
@@ -30,30 +30,36 @@ from colocate_rl.rundir import default_run_dir
 
 
 def resolve(recipe: Recipe, host: Host) -> Resolved:
-    """Bind `recipe` to `host` and choose the layout for the keys that are auto (the fastest that fits, by the
-    memory estimate); raise one UserError listing every problem."""
+    """Bind `recipe` to `host` and resolve the keys that are auto by the memory estimate: the layout (the fastest
+    that fits, estimated with vLLM asleep), then `generation.sleep_level` for that layout (0 when trainer and vLLM
+    fit together, else 2; the resolved recipe holds the level, so the run directory's recipe.yaml does); raise one
+    UserError listing every problem."""
+    from colocate_rl.memory.autolayout import choose_layout, choose_sleep_level, with_sleep_level
+
+    auto_sleep = recipe.generation.sleep_level == "auto"
+    if auto_sleep:
+        recipe = with_sleep_level(recipe, 2)
     resolved = bind_to_host(recipe, host)
+    gpu_gib = min(g.memory_gib for g in host.gpus) if host.gpus else None
     dist, trainer = recipe.distributed, recipe.trainer
     auto_stage = dist.zero_stage == "auto"
-    if not auto_stage and trainer.gradient_checkpointing != "auto":
-        return resolved
-    from colocate_rl.memory.autolayout import choose_layout
-
-    choice = choose_layout(
-        resolved,
-        min(g.memory_gib for g in host.gpus) if host.gpus else None,
-        valid=lambda config: not check_engine(recipe, config),
-        ram_gib=host.ram_gib,
-    )
-    engine_problems = check_engine(recipe, choice.deepspeed) if auto_stage else []
-    if engine_problems:
-        raise UserError(*engine_problems)
-    return replace(
-        resolved,
-        deepspeed=choice.deepspeed,
-        gradient_checkpointing=choice.gradient_checkpointing,
-        layout_choice=choice,
-    )
+    if auto_stage or trainer.gradient_checkpointing == "auto":
+        choice = choose_layout(
+            resolved, gpu_gib, valid=lambda config: not check_engine(recipe, config), ram_gib=host.ram_gib
+        )
+        engine_problems = check_engine(recipe, choice.deepspeed) if auto_stage else []
+        if engine_problems:
+            raise UserError(*engine_problems)
+        resolved = replace(
+            resolved,
+            deepspeed=choice.deepspeed,
+            gradient_checkpointing=choice.gradient_checkpointing,
+            layout_choice=choice,
+        )
+    if auto_sleep:
+        sleep = choose_sleep_level(resolved, gpu_gib)
+        resolved = replace(resolved, recipe=with_sleep_level(resolved.recipe, sleep.level), sleep_choice=sleep)
+    return resolved
 
 
 def load_resolved(
@@ -137,8 +143,9 @@ def estimate_host(
 
 
 # What a resumed run may change: nothing its checkpoint was trained with (model, data, rewards, optimizer, batch,
-# ranks); more steps, logging, checkpoints, the watchdog, report backends, the node's place in the job, and the keys
-# that pin the trainer layout (checked: it must come out as the one the checkpoint was written with).
+# ranks); more steps, logging, checkpoints, the watchdog, report backends, the push to the Hub, the node's place in
+# the job, and the keys that pin the trainer layout (checked: it must come out as the one the checkpoint was written
+# with).
 RESUMABLE = (
     "trainer.max_steps",
     "trainer.logging_steps",
@@ -146,6 +153,8 @@ RESUMABLE = (
     "watchdog.",
     "output.report_to",
     "output.save_model",
+    "output.push_to_hub",
+    "output.hub_private",
     "generation.check_weights",
     "distributed.node_rank",
     "distributed.rdzv_endpoint",

@@ -209,6 +209,27 @@ def test_engine_cycle_per_sleep_level(tmp_path, level):
     assert asleep < 0.1 * awake
 
 
+def test_sleep_level_auto_runs_the_level_the_plan_chose(tmp_path):
+    """`generation.sleep_level: auto` on the 0.5B layout (one GPU): `validate` names the level (0 on an H200: the
+    trainer and vLLM's 25 % fit together), the run writes it into its recipe.yaml, the engine started at it, and the
+    run finished."""
+    from colocate_rl.recipe.load import load_recipe
+
+    recipe, sets = "recipes/gpu-0.5b-layout.yaml", ("generation.sleep_level=auto", "generation.enforce_eager=true")
+    planned = cli(["validate", recipe, *(x for s in sets for x in ("--set", s))], ONE)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    [line] = [x for x in planned.stdout.splitlines() if x.startswith("generation.sleep_level auto: ")]
+    level = int(line.split(": ", 1)[1].split()[0])
+    run = tmp_path / "auto"
+    code, text = run_cli(run, ONE, recipe, 3, *sets)
+    assert code == 0, text[-6000:]
+    assert len(step_records(run)) == 3 and (run / "DONE").exists()
+    assert load_recipe(run / "recipe.yaml").generation.sleep_level == level
+    [memory] = events.read_events(run, events.ENGINE_MEMORY)  # one rank
+    assert memory["sleep_level"] == level
+    print(json.dumps({"line": line, "asleep_gib": memory["asleep_gib"]}))
+
+
 STALE_REWARD = """
 import colocate_rl.rank.vllm_engine as E
 

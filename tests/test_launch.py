@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from colocate_rl.cli.train import run_with_progress, step_line
+from colocate_rl.cli.progress import run_with_progress, step_line
 from colocate_rl.launch.execute import prepare, run
 from colocate_rl.plan.launch_plan import LaunchPlan
 from colocate_rl.recipe.load import dump_recipe, parse_recipe
@@ -96,7 +96,7 @@ LAUNCHER = """
 import sys
 from pathlib import Path
 from rich.console import Console
-from colocate_rl.cli.train import run_with_progress
+from colocate_rl.cli.progress import run_with_progress
 from colocate_rl.plan.launch_plan import LaunchPlan
 run, rank = Path(sys.argv[1]), sys.argv[2]
 plan = LaunchPlan(run_dir=run, argv=[sys.executable, rank, str(run)], env={}, files={})

@@ -342,6 +342,7 @@ def test_the_probes_settings_come_after_the_users():
         "checkpoint.every_minutes": None,
         "watchdog.step_timeout_minutes": None,
         "output.save_model": False,
+        "output.push_to_hub": None,
     }
 
 

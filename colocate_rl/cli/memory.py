@@ -241,8 +241,17 @@ def _estimate(recipe, overrides, detected, gpus, gpu_memory, prompt_tokens, json
         prompt_tokens,
     )
     choice = rec.base.resolved.layout_choice  # zero_stage / gradient_checkpointing auto: what was chosen and why
+    sleep = rec.base.resolved.sleep_choice  # generation.sleep_level auto
     if json_out:
-        print(json.dumps({**to_json(rec), "layout_choice": choice.to_json() if choice is not None else None}))
+        print(
+            json.dumps(
+                {
+                    **to_json(rec),
+                    "layout_choice": choice.to_json() if choice is not None else None,
+                    "sleep_choice": sleep.to_json() if sleep is not None else None,
+                }
+            )
+        )
     else:
         table = Table(
             title=f"estimated memory per GPU (GiB), vLLM share {rec.base.util} of {gib:.1f} GiB, sleep level "
@@ -257,7 +266,8 @@ def _estimate(recipe, overrides, detected, gpus, gpu_memory, prompt_tokens, json
         console.print(table)
         # planning for this machine (its GPUs, not --gpus N of another node): offload must fit its RAM
         ram = detected.ram_gib if detected.gpus and gpus is None else None
-        for line in recommendation_lines(rec, ram) + (choice.lines() if choice is not None else []):
+        lines = recommendation_lines(rec, ram) + (choice.lines() if choice is not None else [])
+        for line in lines + ([sleep.line()] if sleep is not None else []):
             console.print(line, highlight=False, soft_wrap=True)
     if write is not None:
         if rec.final is None:
@@ -298,10 +308,13 @@ def _measure(
         f"a resolution of {resolution:g}, {steps} steps a trial; trials in {plan.probe_dir}",
         highlight=False,
     )
-    choice = plan.resolved.layout_choice
+    choice, sleep = plan.resolved.layout_choice, plan.resolved.sleep_choice
+    chose = ", ".join(
+        ([choice.chosen.label] if choice is not None else []) + ([f"sleep level {sleep.level}"] if sleep else [])
+    )
     if plan.pinned:
         out.print(
-            f"every trial trains with auto's layout at the recipe's share ({choice.chosen.label}): "
+            f"every trial trains with what auto chose at the recipe's share ({chose}): "
             + " ".join(f"--set {item}" for item in format_sets(plan.pinned)),
             highlight=False,
             soft_wrap=True,
@@ -346,7 +359,7 @@ def _measure(
             {**overrides, **plan.pinned, "generation.vllm_gpu_memory_utilization": result.recommended},
             f"{recipe} with generation.vllm_gpu_memory_utilization {result.recommended:g} measured by "
             f"`colocate-rl mem-probe` (largest passing {result.largest:g} − margin {margin:g})"
-            + (f" and the layout the trials ran ({choice.chosen.label})" if plan.pinned else ""),
+            + (f" and what the trials ran with ({chose})" if plan.pinned else ""),
         )
         out.print(f"wrote {write}", highlight=False)
 
@@ -383,11 +396,12 @@ def _print_measurement(measured, recipe_path: Path, gib: float, steps: int, marg
             )
         for note in result.notes:
             console.print(f"note: {note}", highlight=False, soft_wrap=True)
-        if measured.layout_check is not None:
-            console.print(
-                f"layout (auto): {measured.layout_check['line']} — peak of share {best.util:g}'s trial moved to the "
-                f"recipe's share {measured.layout_check['at_share']:g}",
-                highlight=False,
-                markup=False,
-                soft_wrap=True,
-            )
+        for what, check in (("layout", measured.layout_check), ("sleep level", measured.sleep_check)):
+            if check is not None:
+                console.print(
+                    f"{what} (auto): {check['line']} — peak of share {best.util:g}'s trial moved to the recipe's "
+                    f"share {check['at_share']:g}",
+                    highlight=False,
+                    markup=False,
+                    soft_wrap=True,
+                )

@@ -7,7 +7,7 @@ import os
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -27,28 +27,34 @@ from colocate_rl.cli.common import (
     guarded,
     parse_sets,
 )
+from colocate_rl.cli.progress import run_with_progress
 from colocate_rl.errors import UserError
-
-SHORT_PHASES = {
-    "generate": "gen",
-    "weight_sync": "sync",
-    "weight_check": "check",
-    "wake": "wake",
-    "sleep": "sleep",
-    "offload": "offload",
-    "reload": "reload",
-    "reward": "reward",
-    "prepare": "prep",
-    "train": "train",
-    "optimizer": "opt",
-}
 
 
 def _load(recipe: str, overrides: dict, gpus: int | None, gpu_memory: float | None, flags: dict):
     from colocate_rl.pipeline import load_resolved
     from colocate_rl.plan.host import planning_host
 
-    return load_resolved(recipe, overrides, host=planning_host(gpus, gpu_memory), flags=flags, env=os.environ)
+    resolved, sources = load_resolved(
+        recipe, overrides, host=planning_host(gpus, gpu_memory), flags=flags, env=os.environ
+    )
+    _check_push(resolved)
+    return resolved, sources
+
+
+def _check_push(resolved) -> None:
+    """`output.push_to_hub` on node 0 needs a token and no offline switch: said before anything is written."""
+    from colocate_rl.launch.push import check_push
+
+    problems = check_push(resolved.recipe, os.environ)
+    if problems:
+        raise UserError(*problems)
+
+
+def push_line(output) -> str:
+    """What `output.push_to_hub` will do, for the summary and `--dry-run`."""
+    visibility = "private" if output.hub_private else "public"
+    return f"final/ to {output.push_to_hub} on the Hub after the run (node 0; a new repo is {visibility})"
 
 
 def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") -> Table:
@@ -80,6 +86,7 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") 
             resolved.backend
             + (
                 f", gpu util {gen.vllm_gpu_memory_utilization}, TP {gen.tensor_parallel_size}, sleep {gen.sleep_level}"
+                + (" (auto)" if resolved.sleep_choice is not None else "")
                 if resolved.backend == "vllm"
                 else ""
             ),
@@ -103,6 +110,8 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") 
                 f"(id {dist.rdzv_id})",
             )
         )
+    if r.output.push_to_hub is not None:
+        rows.append(("push", push_line(r.output)))
     if recipe_hash:
         rows.append(("recipe hash", f"{recipe_hash} (the same on every node)"))
     if run_dir is not None:
@@ -112,151 +121,25 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") 
     return table
 
 
-def phase_summary(record: dict[str, Any]) -> str:
-    """`gen 0.61s sync 0.10s train 0.30s opt 0.05s | GPU 14.5 GiB (peak 41.5)` from one metrics record."""
-    phases = [
-        f"{short} {record[f'time/{name}_s']:.2f}s"
-        for name, short in SHORT_PHASES.items()
-        if record.get(f"time/{name}_s", 0) >= 0.005
-    ]
-    text = " ".join(phases)
-    if "mem/gpu_used_gib" in record:
-        text += f" | GPU {record['mem/gpu_used_gib']:.1f} GiB (peak {record.get('mem/gpu_peak_gib', 0):.1f})"
-    elif "mem/rss_gib" in record:
-        text += f" | RSS {record['mem/rss_gib']:.2f} GiB"
-    return text
+def push_to_hub(run_dir: Path, repo: str, private: bool, console) -> int:
+    """`output.push_to_hub` after a successful run: upload `<run_dir>/final`, say how it went in one line; returns
+    0, or 1 when the push failed (130 when interrupted) — the run's result stays in final/ either way."""
+    import shlex
 
+    from rich.markup import escape
 
-def step_line(record: dict[str, Any]) -> str:
-    """`step 3/40  reward 0.41  loss 0.01  0.24 s/step  9.5 s in all  [phases | memory]` from one metrics record."""
-    parts = [f"step {record['step']}/{record.get('max_steps', '?')}"]
-    for key in ("reward", "loss"):
-        if isinstance(record.get(key), (int, float)):
-            parts.append(f"{key} {record[key]:.4f}")
-    if isinstance(record.get("time/step_s"), (int, float)):
-        parts.append(f"{record['time/step_s']:.2f} s/step")
-    parts.append(f"{record['wall_s']:.1f} s in all")
-    breakdown = phase_summary(record)
-    return "  ".join(parts) + (f"  [{breakdown}]" if breakdown else "")
-
-
-def eval_line(record: dict[str, Any]) -> str:
-    """`eval at step 20/40  eval/reward 0.62  digit_share 0.62  0.4 s` from one evaluation's metrics record."""
-    parts = [
-        f"eval at step {record['step']}/{record.get('max_steps', '?')}",
-        f"eval/reward {record['eval/reward']:.4f}",
-    ]
-    for key, value in record.items():
-        if key.startswith("eval/") and key != "eval/reward" and isinstance(value, (int, float)):
-            parts.append(f"{key.removeprefix('eval/')} {value:.4g}")
-    if isinstance(record.get("time/eval_s"), (int, float)):
-        parts.append(f"{record['time/eval_s']:.1f} s")
-    return "  ".join(parts)
-
-
-def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> int:
-    """Prepare and run `plan`, showing progress (a live bar on a terminal, one line per step otherwise, every rank's
-    output with `verbose`) and how the run ended; returns the exit code for `train`."""
-    import signal
-
-    from colocate_rl.launch.execute import prepare, run
+    from colocate_rl.launch.push import push_final
     from colocate_rl.rundir import RunDir
 
-    console.print(f"run dir: [bold]{plan.run_dir}[/]  (log: {RunDir(plan.run_dir).log(plan.node_dir)})")
-    if plan.builtin_model:
-        console.print(f"building built-in model {plan.builtin_model['layout']} ...")
-    differ = prepare(plan)
-    if differ:
-        console.print(
-            f"[yellow]warning:[/] {', '.join(differ)} in the run dir were written by another node from a "
-            "different recipe; the ranks compare recipes at start and stop if the nodes differ",
-            highlight=False,
-        )
-    progress = None
-    if console.is_terminal and not verbose:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        progress = Progress(
-            TextColumn("training"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[status]}"),
-            console=console,
-        )
-        task = progress.add_task("train", total=None, status="starting ranks ...")
-        progress.start()
-
-    def on_step(record: dict[str, Any]) -> None:
-        if "reward" not in record:  # a held-out evaluation
-            (progress.console if progress is not None else console).out(eval_line(record), highlight=False)
-        elif progress is not None:
-            status = f"reward {record['reward']:.3f}  {phase_summary(record)}"
-            progress.update(task, completed=record["step"], total=record.get("max_steps"), status=status)
-        else:
-            console.out(step_line(record), highlight=False)
-
-    def echo(line: str) -> None:
-        console.out(line, highlight=False)
-
-    def on_stop_request(signum: int) -> None:
-        console.print(
-            f"[yellow]{signal.Signals(signum).name}:[/] every rank saves a checkpoint at the next step end, then "
-            "stops (send it again to stop at once, without one)",
-            highlight=False,
-        )
-
-    try:
-        result = run(
-            plan,
-            on_step=on_step,
-            echo=echo if verbose else None,
-            on_stop_request=on_stop_request,
-            watchdog=watchdog,
-        )
-    finally:
-        if progress is not None:
-            progress.stop()
-    if result.stopped_at is not None and result.stop_signal is None:
-        console.print(
-            f"stopped at step {result.stopped_at['step']} by another node's stop request; checkpoint: "
-            f"{result.stopped_at['checkpoint']}; resume with: colocate-rl train --resume {plan.run_dir}",
-            highlight=False,
-            soft_wrap=True,
-        )
-        return result.code
-    if result.stop_signal is not None and result.code != 0:
-        name = signal.Signals(result.stop_signal).name
-        if result.stopped_at is not None:
-            console.print(
-                f"stopped ({name}) at step {result.stopped_at['step']}; checkpoint: {result.stopped_at['checkpoint']}"
-                f"; resume with: colocate-rl train --resume {plan.run_dir}",
-                highlight=False,
-                soft_wrap=True,
-            )
-        else:
-            last = RunDir(plan.run_dir).complete_checkpoints()
-            where = f"the last complete checkpoint is {last[-1]}" if last else "no checkpoint was saved"
-            resume = f"; resume with: colocate-rl train --resume {plan.run_dir}" if last else ""
-            console.print(f"stopped ({name}) without a new checkpoint; {where}{resume}", highlight=False)
-        return result.code
-    if result.crashed_after_done:
-        console.print(
-            f"[yellow]warning:[/] torchrun exited {result.torchrun_code} after the run finished and saved its model "
-            "(a crash at interpreter exit, known with vLLM sleep mode); the run counts as successful"
-        )
-    if result.ended_by is not None:  # the ranks did not fail: the log tail would only show them being ended
-        console.print(f"[red]error:[/] {result.ended_by}", highlight=False, soft_wrap=True)
-        return result.code
-    if result.code != 0:
-        if not verbose:
-            console.print(result.log_tail(), markup=False, highlight=False)
-        console.print(f"[red]error:[/] training failed (exit code {result.code}); full log: {result.log}")
-        for line in result.errors:
-            console.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
-        for line in result.hints:
-            console.print(f"[yellow]hint:[/] {line}", highlight=False)
-    return result.code
+    final = RunDir(run_dir).final
+    pushed = push_final(run_dir, repo, private)
+    if pushed.error is None:
+        console.print(f"pushed {final} to {pushed.url}", markup=False, highlight=False, soft_wrap=True)
+        return 0
+    retry = shlex.join(["hf", "upload", repo, str(final), *(["--private"] if private else [])])
+    text = f"push to {repo} failed: {pushed.error}; the model is in {final} — retry with: {retry}"
+    console.print(f"[red]error:[/] {escape(text)}", highlight=False, soft_wrap=True)
+    return 130 if pushed.interrupted else 1
 
 
 @app.command()
@@ -281,6 +164,8 @@ def validate(
     if resolved.layout_choice is not None:
         for line in resolved.layout_choice.lines():
             console.print(line, highlight=False, soft_wrap=True)
+    if resolved.sleep_choice is not None:
+        console.print(resolved.sleep_choice.line(), highlight=False, soft_wrap=True)
     console.print("[green]recipe is valid[/]")
 
 
@@ -341,6 +226,7 @@ def train(
             cwd=Path.cwd(),
             python=sys.executable,
         )
+        _check_push(resolved)
         sources = {key: "recipe" for key in NODE_KEYS}
     else:
         resolved, sources = _load(recipe, parse_sets(set_, set_str), gpus, gpu_memory, flags)
@@ -358,8 +244,12 @@ def train(
             print(f"# note: {note}")
         for line in resolved.layout_choice.lines() if resolved.layout_choice is not None else []:
             print(f"# {line}")
+        if resolved.sleep_choice is not None:
+            print(f"# {resolved.sleep_choice.line()}")
         if plan.resume_from is not None:
             print(f"# resumes from {plan.resume_from}")
+        if resolved.recipe.output.push_to_hub is not None:
+            print(f"# pushes {push_line(resolved.recipe.output)}")
         print(plan.command_line())
         return
     if gpus is not None or gpu_memory is not None:
@@ -386,4 +276,7 @@ def train(
             f"{summary['train_s']:.1f} s",
         )
         console.print(table)
+    output = resolved.recipe.output
+    if code == 0 and output.push_to_hub is not None and dist.node_rank == 0:
+        code = push_to_hub(plan.run_dir, output.push_to_hub, output.hub_private, console)
     raise typer.Exit(code)

@@ -1,4 +1,5 @@
-"""`distributed.zero_stage: auto` and `trainer.gradient_checkpointing: auto`: the fastest trainer layout that fits.
+"""`distributed.zero_stage: auto` and `trainer.gradient_checkpointing: auto`: the fastest trainer layout that fits;
+`generation.sleep_level: auto`: sleep only when trainer and vLLM do not fit together.
 
 `choose_layout` is a pure function of a resolved recipe and the GPU memory. It lists the candidates fastest first
 (order by measured speed, not by memory saved): ZeRO-2, ZeRO-3, ZeRO-3 + optimizer offload, ZeRO-3 + optimizer
@@ -13,6 +14,11 @@ whose offloaded state fits in the RAM less LAYOUT_HEADROOM. Without a GPU there 
 On a GPU with no estimate possible (unknown layout, transformers backend): the first ZeRO-3 candidate (with
 checkpointing when that is auto). When none fits: the last, most frugal, candidate; `mem-probe --estimate` says
 what else to change, and the measured `mem-probe` checks the choice with `confirm_choice`.
+
+`choose_sleep_level` runs after it, for the layout chosen (or given), which was estimated with vLLM asleep (sleep
+level 2): it picks 0 (no wake, sleep or cache emptying each step) when the estimate at sleep 0 (vLLM keeps its whole
+share through training) peaks within the same limit, else 2; 2 also when nothing can be compared (no vLLM on a GPU,
+no estimate). Level 1 is never chosen.
 
 Measurements behind the order and the headroom: docs/benchmarks/README.md.
 """
@@ -29,6 +35,7 @@ from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deeps
 
 if TYPE_CHECKING:
     from colocate_rl.plan.resolve import Resolved
+    from colocate_rl.recipe.schema import Recipe
 
 LAYOUT_HEADROOM = 0.10  # of the GPU's memory (and of host RAM), kept free above a candidate's estimated peak
 # (stage, offload optimizer, offload params), fastest first: see the module docstring
@@ -317,3 +324,64 @@ def confirm_choice(choice: LayoutChoice, measured_peak_gib: float) -> tuple[bool
         f"{label} not confirmed: measured peak {measured_peak_gib:.2f} GiB exceeds the limit "
         f"{choice.limit_gib:.1f} GiB ({est_text}{choice.margin:.0%} margin); {fix}"
     )
+
+
+@dataclass(frozen=True)
+class SleepChoice:
+    """What `generation.sleep_level: auto` chose and why; the estimated peak at sleep 0 and the limit it was held to
+    (None when nothing was estimated)."""
+
+    level: int
+    reason: str
+    peak_gib: float | None = None
+    limit_gib: float | None = None
+
+    def line(self) -> str:
+        return f"generation.sleep_level auto: {self.level} — {self.reason}"
+
+    def to_json(self) -> dict[str, Any]:
+        rounded = [None if x is None else round(x, 3) for x in (self.peak_gib, self.limit_gib)]
+        return {"level": self.level, "reason": self.reason, "peak_gib_at_sleep_0": rounded[0], "limit_gib": rounded[1]}
+
+    def confirm(self, measured_peak_gib: float) -> tuple[bool, str]:
+        """For the measured `mem-probe` (its trials ran at this level): at level 0, does the measured peak stay
+        within the limit? Returns (ok, one line)."""
+        if self.level != 0 or self.limit_gib is None:
+            return True, f"sleep level {self.level}, not measured at 0: {self.reason}"
+        seen = (
+            f"measured peak {measured_peak_gib:.2f} GiB (estimated {self.peak_gib:.2f}, limit {self.limit_gib:.1f} GiB)"
+        )
+        if measured_peak_gib <= self.limit_gib:
+            return True, f"sleep level 0 confirmed: {seen}"
+        return False, f"sleep level 0 not confirmed: {seen}; set generation.sleep_level: 2"
+
+
+def with_sleep_level(recipe: Recipe, level: int) -> Recipe:
+    """A copy of `recipe` with `generation.sleep_level` set to `level`."""
+    return recipe.model_copy(update={"generation": recipe.generation.model_copy(update={"sleep_level": level})})
+
+
+def choose_sleep_level(resolved: Resolved, gpu_gib: float | None, prompt_tokens: int | None = None) -> SleepChoice:
+    """`generation.sleep_level: auto` for `resolved` (its layout chosen or given): 0 when the estimated peak with vLLM
+    awake through training is at most `gpu_gib × (1 − LAYOUT_HEADROOM)`, the limit `choose_layout` holds layouts
+    to; else 2, also when there is no vLLM on a GPU or no estimate to compare (2 frees the most)."""
+    from colocate_rl.memory.estimate import estimate
+
+    if gpu_gib is None or resolved.backend != "vllm":
+        return SleepChoice(
+            2, f"no vLLM on a GPU here (generation with {resolved.backend}), so no memory to compare: the safe level"
+        )
+    limit = gpu_gib * (1 - LAYOUT_HEADROOM)
+    awake = dataclasses.replace(resolved, recipe=with_sleep_level(resolved.recipe, 0))
+    try:
+        phase, peak = estimate(awake, gpu_gib, prompt_tokens).peak()
+    except UserError as err:  # unknown layout: no estimate possible
+        return SleepChoice(
+            2, f"no estimate ({err.lines[0]}), so the safe level; set generation.sleep_level to override"
+        )
+    margin = f"{gpu_gib:.1f} GiB less {LAYOUT_HEADROOM:.0%} margin"
+    if peak <= limit:
+        reason = f"trainer and vLLM fit together (peak {peak:.2f} ≤ {limit:.1f} GiB at sleep 0, {margin})"
+        return SleepChoice(0, reason, peak, limit)
+    reason = f"at sleep 0 the peak would be {peak:.2f} GiB ({phase}) > {limit:.1f} GiB ({margin})"
+    return SleepChoice(2, reason, peak, limit)

@@ -10,7 +10,8 @@ safety margin.
 - Peaks per phase come from the trial's timelines (`colocate_rl.memory.peaks`).
 - When `zero_stage` / `gradient_checkpointing` are auto, every trial trains with the layout auto chose at the
   recipe's own share (a larger share leaves no room for the faster layouts), and the best trial's peak, moved to
-  that share, confirms or refutes auto's choice.
+  that share, confirms or refutes auto's choice. Likewise `generation.sleep_level: auto`: every trial runs at the
+  level auto chose at the recipe's share, and a choice of 0 is checked the same way.
 Fails (UserError) when the recipe cannot be probed (transformers backend, a fixed KV budget, no share fits).
 """
 
@@ -44,6 +45,7 @@ TRIAL_OVERRIDES = {
     "checkpoint.every_minutes": None,
     "watchdog.step_timeout_minutes": None,
     "output.save_model": False,
+    "output.push_to_hub": None,  # a trial saves no model, so it pushes none
 }
 
 
@@ -109,7 +111,7 @@ class ProbePlan:
     lower: float  # the estimated window, clipped to the grid and to 1
     upper: float
     search_upper: float  # up to SEARCH_ABOVE_ESTIMATE above the window's top
-    pinned: dict[str, Any]  # overrides that fix auto's layout at the recipe's share ({} when nothing is auto)
+    pinned: dict[str, Any]  # overrides that fix auto's layout and sleep level at the recipe's share ({}: no auto)
     probe_dir: Path
 
     def estimate_at(self, util: float) -> dict[str, float]:
@@ -141,6 +143,8 @@ def plan_probe(
         raise UserError(f"--probe-dir: {probe_dir} is not empty; choose another directory or remove it")
     choice = resolved.layout_choice
     pinned = choice.pinned_overrides(resolved.recipe.distributed.deepspeed) if choice is not None else {}
+    if resolved.sleep_choice is not None:
+        pinned["generation.sleep_level"] = resolved.sleep_choice.level
     return ProbePlan(resolved, est, lower, upper, min(1.0, upper + SEARCH_ABOVE_ESTIMATE), pinned, probe_dir)
 
 
@@ -149,6 +153,7 @@ class Measurement:
     plan: ProbePlan
     result: ProbeResult
     layout_check: dict[str, Any] | None  # auto's choice checked against the best trial moved to the recipe's share
+    sleep_check: dict[str, Any] | None = None  # the same for generation.sleep_level auto
 
     def to_json(self) -> dict[str, Any]:
         """The probe for `--json`: window, trials, largest/smallest passing share, recommendation, measured vs
@@ -175,6 +180,7 @@ class Measurement:
             "pinned_sets": format_sets(plan.pinned),
             **out,
             "layout_check": self.layout_check,
+            "sleep_check": self.sleep_check,
         }
 
 
@@ -205,21 +211,21 @@ def measure(
         return result
 
     result = bisect(trial, plan.lower, plan.search_upper, resolution, plan.upper, margin)
-    best, choice = result.best_trial(), plan.resolved.layout_choice
-    layout_check = None
-    if choice is not None and best is not None:
-        share = plan.resolved.recipe.generation.vllm_gpu_memory_utilization
-        peak = peak_at_share(best.peaks, best.util, share, plan.estimate_at)
-        if peak is not None:
-            ok, line = confirm_choice(choice, peak)
-            layout_check = {
-                "confirmed": ok,
-                "measured_peak_gib": peak,
-                "at_share": share,
-                "line": line,
-                "pinned": format_sets(plan.pinned),
-            }
-    return Measurement(plan, result, layout_check)
+    best, choice, sleep = result.best_trial(), plan.resolved.layout_choice, plan.resolved.sleep_choice
+    share = plan.resolved.recipe.generation.vllm_gpu_memory_utilization
+    peak = peak_at_share(best.peaks, best.util, share, plan.estimate_at) if best is not None else None
+
+    def check(confirmed: tuple[bool, str]) -> dict[str, Any]:
+        ok, line = confirmed
+        return {"confirmed": ok, "measured_peak_gib": peak, "at_share": share, "line": line}
+
+    layout_check = (
+        {**check(confirm_choice(choice, peak)), "pinned": format_sets(plan.pinned)}
+        if choice is not None and peak is not None
+        else None
+    )
+    sleep_check = check(sleep.confirm(peak)) if sleep is not None and peak is not None else None
+    return Measurement(plan, result, layout_check, sleep_check)
 
 
 def default_probe_dir(now) -> Path:

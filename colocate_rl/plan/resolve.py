@@ -3,9 +3,10 @@
 `bind_to_host` decides everything that depends on the machine (ranks per node, generation backend, device,
 precision, the DeepSpeed JSON) and checks what needs the planned world size. It reads the files the
 recipe names (DeepSpeed JSON, the model's config.json, the data file's first rows, reward modules, reward models'
-config.json), calls each reward function once on a sample completion, and checks `trainer.extra_args` against TRL's
-field types, but writes nothing and downloads nothing but a hub reward model's config (a hub dataset is not opened).
-All problems are raised together in one UserError.
+config.json; with LoRA target names, the model built from its config on the meta device), calls each reward function
+once on a sample completion, and checks `trainer.extra_args` against TRL's field types, but writes nothing and
+downloads nothing but a hub model's or reward model's config (a hub dataset is not opened). All problems are raised
+together in one UserError.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deeps
 from colocate_rl.plan.engine_options import ENGINE_ONLY_KEYS
 from colocate_rl.plan.evaluation import check_eval
 from colocate_rl.plan.host import Host
+from colocate_rl.plan.lora import check_lora_targets
 from colocate_rl.plan.trl_args import check_extra_args
 from colocate_rl.recipe.schema import Recipe
 
 if TYPE_CHECKING:
     from colocate_rl.data_check import DataSample
-    from colocate_rl.memory.autolayout import LayoutChoice
+    from colocate_rl.memory.autolayout import LayoutChoice, SleepChoice
 
 
 # Ranks per node on a machine without GPU: at most its CPU cores, but never fewer than a GPU node's ranks, so that a
@@ -50,6 +52,7 @@ class Resolved:
     builtin_layout: str | None  # set when model.name is builtin:<layout>
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing as resolved (auto → chosen)
     layout_choice: LayoutChoice | None = None  # what auto chose, when zero_stage or gradient_checkpointing is auto
+    sleep_choice: SleepChoice | None = None  # what auto chose, when generation.sleep_level is auto (recipe holds it)
 
     @property
     def world_size(self) -> int:
@@ -321,14 +324,15 @@ def _deepspeed(recipe: Recipe, precision: str) -> tuple[dict[str, Any] | None, l
 
 
 def bind_to_host(recipe: Recipe, host: Host) -> Resolved:
-    """Bind `recipe` to `host`; raise one UserError listing every cross-field problem. `zero_stage` and
-    `gradient_checkpointing` auto are left to `colocate_rl.pipeline.resolve` (the engine checks then wait for the
-    layout chosen)."""
+    """Bind `recipe` to `host`; raise one UserError listing every cross-field problem. `zero_stage`,
+    `gradient_checkpointing` and `sleep_level` auto are left to `colocate_rl.pipeline.resolve` (the engine checks then
+    wait for the layout chosen)."""
     nproc, problems = _ranks(recipe, host)
     backend, backend_problems = _backend(recipe, host)
     precision, model_dtype, precision_problems = _precision(recipe, host)
     deepspeed, deepspeed_problems = _deepspeed(recipe, precision)
     layout, model_problems = _check_model(recipe)
+    model_problems = model_problems or check_lora_targets(recipe)
     problems += backend_problems + precision_problems + _check_batch(recipe, nproc) + _check_nodes(recipe)
     sample, data_problems = _check_data(recipe)
     problems += deepspeed_problems + model_problems + data_problems + _check_rewards(recipe, sample)

@@ -39,6 +39,19 @@ MANAGED_TRL_FIELDS = {
     "save_steps": "checkpoint.every_steps",
     "save_total_limit": "checkpoint.keep_last",
     "resume_from_checkpoint": "`colocate-rl train --resume RUN_DIR`",
+    # the launcher pushes final/ once the run has finished (colocate_rl.launch.push), not TRL from the ranks
+    **dict.fromkeys(
+        (
+            "push_to_hub",
+            "hub_model_id",
+            "hub_private_repo",
+            "hub_strategy",
+            "hub_token",
+            "hub_always_push",
+            "hub_revision",
+        ),
+        "output.push_to_hub (and output.hub_private)",
+    ),
 }
 
 

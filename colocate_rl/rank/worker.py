@@ -298,7 +298,7 @@ def save_final(trainer, paths: RunDir, recipe, launch: LaunchSpec) -> None:
 def cast_saved_weights(directory: Path, dtype: str) -> list[str]:
     """Rewrite the model's `model*.safetensors` files in `directory` whose floating tensors are not `dtype` (a trainer
     may hand back fp32 master weights of a bf16 model; a LoRA adapter keeps its own dtype); returns the files
-    rewritten."""
+    rewritten (and config.json's dtype with them)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -313,6 +313,11 @@ def cast_saved_weights(directory: Path, dtype: str) -> list[str]:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         save_file({k: t.to(want) if t.is_floating_point() else t for k, t in tensors.items()}, str(path), metadata)
         rewritten.append(path.name)
+    config = Path(directory) / "config.json"
+    if rewritten and config.is_file():  # `dtype="auto"` loads what config.json says
+        values = json.loads(config.read_text())
+        values.update({key: dtype for key in ("dtype", "torch_dtype") if key in values} or {"dtype": dtype})
+        config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
     return rewritten
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import get_origin
 
 from pydantic import BaseModel
 
@@ -21,9 +22,13 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
         if section is not None and field.annotation is section:
             rows += _rows(section, f"{key}.")
             continue
-        if section is not None:  # a list of sections (rewards)
+        if section is not None and get_origin(field.annotation) is list:  # a list of sections (rewards)
             rows.append(f"| `{key}` | required | {field.description} |")
             rows += _rows(section, f"{key}[].")
+            continue
+        if section is not None:  # an optional section (model.lora): off by default, its keys when set
+            rows.append(f"| `{key}` | `null` | {field.description} |")
+            rows += _rows(section, f"{key}.")
             continue
         if field.is_required():
             default = "required"

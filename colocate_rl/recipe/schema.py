@@ -6,6 +6,7 @@ Loading and `--set` overrides are in `colocate_rl.recipe.load`; validation error
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -42,8 +43,6 @@ def parse_size(value: int | str) -> int:
     if isinstance(value, (int, float)):
         size = float(value)
     else:
-        import re
-
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", value)
         unit = match.group(2).lower() if match else None
         if match is None or unit not in SIZE_UNITS:
@@ -58,6 +57,10 @@ def parse_size(value: int | str) -> int:
 Count = Annotated[PositiveInt, Strict()]
 Index = Annotated[NonNegativeInt, Strict()]
 SEED_MAX = 2**32 - 1  # numpy's seeding (transformers' set_seed) takes 0 … 2**32 - 1
+# A Hub repo id as huggingface_hub's validate_repo_id takes it: `name` or `owner/name`, each part 1-96 letters, digits,
+# '-', '_' and '.' that starts and ends with a letter, digit or '_'; no '--' or '..', no '.git' at the end.
+_HUB_PART = r"\w(?:[\w.-]{0,94}\w)?"
+HUB_REPO_ID = re.compile(rf"(?:{_HUB_PART}/)?{_HUB_PART}", re.ASCII)
 
 
 def _whole(value: Any) -> Any:
@@ -195,11 +198,13 @@ class GenerationSection(_Section):
         description="Who drives the colocated vLLM engine: colocate-rl's own cycle (engine options, sleep levels, "
         "bucketed weight sync, trainer offload, weight check) or TRL's built-in one (for comparison).",
     )
-    sleep_level: Literal[0, 1, 2] = Field(
-        2,
+    sleep_level: Literal[0, 1, 2, "auto"] = Field(
+        "auto",
         description="vLLM sleep mode while the trainer runs: 0 = off (vLLM keeps its memory), 1 = weights "
         "copied to CPU and KV cache freed, 2 = weights and KV cache freed (the trainer's weights are pushed "
-        "after every wake). The engine `trl` supports only 0 and 2.",
+        "after every wake); auto = 0 when the memory estimate has trainer and vLLM fit together within the "
+        "GPU's memory less 10 %, else 2 (also when there is no GPU memory to compare with). The engine `trl` "
+        "supports only 0 and 2.",
     )
     kv_cache_memory: PositiveInt | str | None = Field(
         None,
@@ -342,6 +347,36 @@ class OutputSection(_Section):
         default_factory=list, description="Extra metric backends (metrics.jsonl is always written)."
     )
     save_model: bool = Field(True, description="Save the final model to <run_dir>/final.")
+    push_to_hub: str | None = Field(
+        None,
+        description="Hub model repo (`owner/name`, or `name` under the token's account) that `train` uploads "
+        "<run_dir>/final to once the run has finished, from node 0, with the token of HF_TOKEN or `hf auth login` "
+        "(needs save_model); null: no upload.",
+    )
+    hub_private: bool = Field(
+        True, description="Create the push_to_hub repo private (a repo that exists keeps its visibility)."
+    )
+
+    @field_validator("push_to_hub", mode="before")
+    @classmethod
+    def _repo_id(cls, value, info):
+        if value is None:
+            return value
+        if isinstance(value, bool):
+            raise ValueError("must name the repo to push to, such as your-name/my-model")
+        if not isinstance(value, str) or not HUB_REPO_ID.fullmatch(value) or "--" in value or ".." in value:
+            raise ValueError(
+                "must be a Hub repo id such as your-name/my-model or my-model (letters, digits, '-', '_' and '.'; "
+                "at most 96 characters a part)"
+            )
+        if value.endswith(".git"):
+            raise ValueError("must not end in .git: give the repo id, such as your-name/my-model")
+        if info.data.get("save_model") is False:
+            raise ValueError(
+                "needs output.save_model: true (the launcher uploads <run_dir>/final once the run has saved it); "
+                "set it, or drop output.push_to_hub"
+            )
+        return value
 
 
 class Recipe(_Section):

@@ -11,6 +11,8 @@ event (lines of different ranks do not interleave). Kinds and their fields:
 - `checkpoint`: `step`, `path` — rank 0, once every rank saved a checkpoint (it is complete).
 - `stopped`: `step`, `checkpoint` — rank 0, when a stop request ended training at a step end with a checkpoint.
 - `resumed`: `step`, `checkpoint` — rank 0, when a resumed run starts from a checkpoint.
+- `push`: `repo`, `url` or `error` (the other null) — node 0's launcher (`rank` null), after uploading `final/` for
+  `output.push_to_hub` (colocate_rl.launch.push).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ ENGINE_MEMORY = "engine_memory"
 CHECKPOINT = "checkpoint"
 STOPPED = "stopped"
 RESUMED = "resumed"
+PUSH = "push"
 
 
 def emit(run_dir: Path, kind: str, **fields: Any) -> None:

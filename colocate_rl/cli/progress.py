@@ -1,0 +1,167 @@
+"""What a running `train` shows: a live bar on a terminal or one line per step, evaluation lines, and how the run
+ended (stopped with its checkpoint and the resume command, failed with the log tail and the ranks' errors)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+SHORT_PHASES = {
+    "generate": "gen",
+    "weight_sync": "sync",
+    "weight_check": "check",
+    "wake": "wake",
+    "sleep": "sleep",
+    "offload": "offload",
+    "reload": "reload",
+    "reward": "reward",
+    "prepare": "prep",
+    "train": "train",
+    "optimizer": "opt",
+}
+
+
+def phase_summary(record: dict[str, Any]) -> str:
+    """`gen 0.61s sync 0.10s train 0.30s opt 0.05s | GPU 14.5 GiB (peak 41.5)` from one metrics record."""
+    phases = [
+        f"{short} {record[f'time/{name}_s']:.2f}s"
+        for name, short in SHORT_PHASES.items()
+        if record.get(f"time/{name}_s", 0) >= 0.005
+    ]
+    text = " ".join(phases)
+    if "mem/gpu_used_gib" in record:
+        text += f" | GPU {record['mem/gpu_used_gib']:.1f} GiB (peak {record.get('mem/gpu_peak_gib', 0):.1f})"
+    elif "mem/rss_gib" in record:
+        text += f" | RSS {record['mem/rss_gib']:.2f} GiB"
+    return text
+
+
+def step_line(record: dict[str, Any]) -> str:
+    """`step 3/40  reward 0.41  loss 0.01  0.24 s/step  9.5 s in all  [phases | memory]` from one metrics record."""
+    parts = [f"step {record['step']}/{record.get('max_steps', '?')}"]
+    for key in ("reward", "loss"):
+        if isinstance(record.get(key), (int, float)):
+            parts.append(f"{key} {record[key]:.4f}")
+    if isinstance(record.get("time/step_s"), (int, float)):
+        parts.append(f"{record['time/step_s']:.2f} s/step")
+    parts.append(f"{record['wall_s']:.1f} s in all")
+    breakdown = phase_summary(record)
+    return "  ".join(parts) + (f"  [{breakdown}]" if breakdown else "")
+
+
+def eval_line(record: dict[str, Any]) -> str:
+    """`eval at step 20/40  eval/reward 0.62  digit_share 0.62  0.4 s` from one evaluation's metrics record."""
+    parts = [
+        f"eval at step {record['step']}/{record.get('max_steps', '?')}",
+        f"eval/reward {record['eval/reward']:.4f}",
+    ]
+    for key, value in record.items():
+        if key.startswith("eval/") and key != "eval/reward" and isinstance(value, (int, float)):
+            parts.append(f"{key.removeprefix('eval/')} {value:.4g}")
+    if isinstance(record.get("time/eval_s"), (int, float)):
+        parts.append(f"{record['time/eval_s']:.1f} s")
+    return "  ".join(parts)
+
+
+def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> int:
+    """Prepare and run `plan`, showing progress (a live bar on a terminal, one line per step otherwise, every rank's
+    output with `verbose`) and how the run ended; returns the exit code for `train`."""
+    import signal
+
+    from colocate_rl.launch.execute import prepare, run
+    from colocate_rl.rundir import RunDir
+
+    console.print(f"run dir: [bold]{plan.run_dir}[/]  (log: {RunDir(plan.run_dir).log(plan.node_dir)})")
+    if plan.builtin_model:
+        console.print(f"building built-in model {plan.builtin_model['layout']} ...")
+    differ = prepare(plan)
+    if differ:
+        console.print(
+            f"[yellow]warning:[/] {', '.join(differ)} in the run dir were written by another node from a "
+            "different recipe; the ranks compare recipes at start and stop if the nodes differ",
+            highlight=False,
+        )
+    progress = None
+    if console.is_terminal and not verbose:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        progress = Progress(
+            TextColumn("training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=console,
+        )
+        task = progress.add_task("train", total=None, status="starting ranks ...")
+        progress.start()
+
+    def on_step(record: dict[str, Any]) -> None:
+        if "reward" not in record:  # a held-out evaluation
+            (progress.console if progress is not None else console).out(eval_line(record), highlight=False)
+        elif progress is not None:
+            status = f"reward {record['reward']:.3f}  {phase_summary(record)}"
+            progress.update(task, completed=record["step"], total=record.get("max_steps"), status=status)
+        else:
+            console.out(step_line(record), highlight=False)
+
+    def echo(line: str) -> None:
+        console.out(line, highlight=False)
+
+    def on_stop_request(signum: int) -> None:
+        console.print(
+            f"[yellow]{signal.Signals(signum).name}:[/] every rank saves a checkpoint at the next step end, then "
+            "stops (send it again to stop at once, without one)",
+            highlight=False,
+        )
+
+    try:
+        result = run(
+            plan,
+            on_step=on_step,
+            echo=echo if verbose else None,
+            on_stop_request=on_stop_request,
+            watchdog=watchdog,
+        )
+    finally:
+        if progress is not None:
+            progress.stop()
+    if result.stopped_at is not None and result.stop_signal is None:
+        console.print(
+            f"stopped at step {result.stopped_at['step']} by another node's stop request; checkpoint: "
+            f"{result.stopped_at['checkpoint']}; resume with: colocate-rl train --resume {plan.run_dir}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return result.code
+    if result.stop_signal is not None and result.code != 0:
+        name = signal.Signals(result.stop_signal).name
+        if result.stopped_at is not None:
+            console.print(
+                f"stopped ({name}) at step {result.stopped_at['step']}; checkpoint: {result.stopped_at['checkpoint']}"
+                f"; resume with: colocate-rl train --resume {plan.run_dir}",
+                highlight=False,
+                soft_wrap=True,
+            )
+        else:
+            last = RunDir(plan.run_dir).complete_checkpoints()
+            where = f"the last complete checkpoint is {last[-1]}" if last else "no checkpoint was saved"
+            resume = f"; resume with: colocate-rl train --resume {plan.run_dir}" if last else ""
+            console.print(f"stopped ({name}) without a new checkpoint; {where}{resume}", highlight=False)
+        return result.code
+    if result.crashed_after_done:
+        console.print(
+            f"[yellow]warning:[/] torchrun exited {result.torchrun_code} after the run finished and saved its model "
+            "(a crash at interpreter exit, known with vLLM sleep mode); the run counts as successful"
+        )
+    if result.ended_by is not None:  # the ranks did not fail: the log tail would only show them being ended
+        console.print(f"[red]error:[/] {result.ended_by}", highlight=False, soft_wrap=True)
+        return result.code
+    if result.code != 0:
+        if not verbose:
+            console.print(result.log_tail(), markup=False, highlight=False)
+        console.print(f"[red]error:[/] training failed (exit code {result.code}); full log: {result.log}")
+        for line in result.errors:
+            console.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+        for line in result.hints:
+            console.print(f"[yellow]hint:[/] {line}", highlight=False)
+    return result.code
