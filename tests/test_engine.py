@@ -165,9 +165,9 @@ def test_install_makes_both_trainers_build_the_engine_with_the_options():
     before = grpo.VLLMGeneration, rloo.VLLMGeneration
     try:
         options = engine_options(sleep_level=1, enforce_eager=True)
-        cls = E.install(options, Path("/runs/r"))
+        cls = E.install(options, Path("/runs/r"), seed=7)
         assert grpo.VLLMGeneration is cls and rloo.VLLMGeneration is cls and issubclass(cls, E.VLLMGeneration)
-        assert cls.options is options and cls.run_dir == Path("/runs/r")
+        assert cls.options is options and cls.run_dir == Path("/runs/r") and cls.seed == 7
     finally:
         grpo.VLLMGeneration, rloo.VLLMGeneration = before
 
@@ -187,6 +187,7 @@ def test_llm_kwargs_carry_the_recipe_options(monkeypatch):
     eng.model.name_or_path = "/m"
     eng.gpu_memory_utilization, eng.max_model_length, eng.max_num_seqs = 0.4, 512, 64
     eng.model_impl, eng.trust_remote_code = "auto", False
+    eng.seed = 40  # trainer.seed, set by install()
     kwargs = eng.llm_kwargs()
     assert kwargs == dict(
         model="/m",
@@ -197,7 +198,7 @@ def test_llm_kwargs_carry_the_recipe_options(monkeypatch):
         enable_sleep_mode=False,
         model_impl="auto",
         distributed_executor_backend="external_launcher",
-        seed=3,
+        seed=43,  # trainer.seed + the rank's tensor-parallel group
         max_num_batched_tokens=8192,
         logprobs_mode="processed_logprobs",
         trust_remote_code=False,

@@ -105,6 +105,7 @@ class ColocatedEngine(VLLMGeneration):
 
     options: EngineOptions  # set by install()
     run_dir: Path | None = None  # where start-up memory is reported (events.jsonl); set by install()
+    seed: int = 0  # trainer.seed: two runs that differ only in it sample differently; set by install()
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._reset_cycle_state()
@@ -137,7 +138,7 @@ class ColocatedEngine(VLLMGeneration):
             enable_sleep_mode=self.sleep_level > 0,
             model_impl=self.model_impl,
             distributed_executor_backend="external_launcher",
-            seed=accelerator.process_index // self.tensor_parallel_size,  # same sampling inside a TP group
+            seed=self.seed + accelerator.process_index // self.tensor_parallel_size,  # same inside a TP group
             max_num_batched_tokens=o.max_num_batched_tokens,
             logprobs_mode="processed_logprobs",  # the importance-sampling correction needs processed logprobs
             trust_remote_code=self.trust_remote_code,
@@ -339,12 +340,13 @@ class ColocatedEngine(VLLMGeneration):
             self._reload_trainer()
 
 
-def install(options: EngineOptions, run_dir: Path | None = None) -> type[ColocatedEngine]:
-    """Make TRL's GRPO and RLOO trainers construct a ColocatedEngine configured with `options`."""
+def install(options: EngineOptions, run_dir: Path | None = None, seed: int = 0) -> type[ColocatedEngine]:
+    """Make TRL's GRPO and RLOO trainers construct a ColocatedEngine configured with `options`; vLLM samples from
+    `seed` (the run's `trainer.seed`) plus the tensor-parallel group's index."""
     import trl.trainer.grpo_trainer as grpo
     import trl.trainer.rloo_trainer as rloo
 
-    engine = type("ColocatedEngine", (ColocatedEngine,), {"options": options, "run_dir": run_dir})
+    engine = type("ColocatedEngine", (ColocatedEngine,), {"options": options, "run_dir": run_dir, "seed": seed})
     grpo.VLLMGeneration = engine
     rloo.VLLMGeneration = engine
     return engine

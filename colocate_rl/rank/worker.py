@@ -205,7 +205,7 @@ def build_trainer(run_dir: Path):
     if launch.engine is not None:  # colocate-rl's own vLLM engine instead of TRL's
         from colocate_rl.rank.vllm_engine import install
 
-        install(launch.engine, run_dir)
+        install(launch.engine, run_dir, seed=recipe.trainer.seed)
     config = Config(**config_args(Config, launch.trl_args))
     # The process group is up now (DeepSpeed or accelerate): all nodes must run the same recipe.
     check_same_recipe(run_dir, launch.recipe_hash)

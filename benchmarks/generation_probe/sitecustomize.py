@@ -1,0 +1,38 @@
+"""Generation probe for benchmarks/bench_generation.py (not part of the package): in colocate-rl's worker processes,
+when COLOCATE_BENCH_PROBE=1, record every `llm.generate` of the colocated engine (prompt token ids, SamplingParams,
+seconds in vLLM / TRL's logprob extraction / the garbage collector) to RUN/bench/generate_calls.rank<N>.jsonl; see
+benchmarks/generation_vllm.py. Python loads it from PYTHONPATH at start-up, as tools/diag_memory does:
+
+    PYTHONPATH=benchmarks/generation_probe COLOCATE_BENCH_PROBE=1 colocate-rl train ...
+"""
+
+import os
+import sys
+
+if os.environ.get("COLOCATE_BENCH_PROBE") == "1" and "colocate_rl.worker" in " ".join(
+    getattr(sys, "orig_argv", sys.argv)
+):
+    import importlib.abc
+    import importlib.machinery
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "colocate_rl.rank.vllm_engine":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                try:
+                    import generation_vllm
+                finally:
+                    sys.path.pop(0)
+                generation_vllm.patch_engine(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,524 @@
+#!/usr/bin/env python3
+"""The vLLM side of `bench_generation.py`: standalone vLLM with a colocated run's engine, and the probe in its ranks.
+
+Standalone (a separate process on one GPU, after the colocated run of the same workload):
+
+    python benchmarks/generation_vllm.py --run-dir RUN --engine same --variants trl,nodetok,lean --out OUT.json
+
+- Engine arguments: `ColocatedEngine.llm_kwargs()` of colocate_rl/rank/vllm_engine.py, on an engine built from the run
+  directory's `launch.json` (its `EngineOptions` and TRL arguments) exactly as TRL's trainer builds it, with vLLM's
+  start skipped (`engine_kwargs`). `--engine same` passes them unchanged (vLLM's in-process engine core, as on a
+  rank); `--engine mp` drops `distributed_executor_backend` (vLLM's default: engine core in its own process).
+- Requests: the prompt token ids rank 0 sent to vLLM, recorded per generation by the probe (below), batch k of the
+  standalone = generation k of the run; SamplingParams as TRL builds them (`sampling_kwargs`), changed per variant
+  (`VARIANTS`). Timed: `LLM.generate` only (prefix cache reset before each batch, as after every weight push), and
+  TRL's logprob extraction of its outputs separately (`post_s`).
+
+Probe (in the colocated run's ranks, through benchmarks/generation_probe/sitecustomize.py): wraps each rank's
+`llm.generate` and TRL's `extract_logprobs`, appending one JSON line per call to
+RUN/bench/generate_calls.rank<N>.jsonl: prompt token ids, SamplingParams, completion tokens, seconds in vLLM, in
+TRL's extraction and in Python's garbage collector, plus the engine's built config once. COLOCATE_BENCH_GC=off also
+turns the garbage collector off during `llm.generate` (an experiment, not a fix).
+
+Importing this module needs neither vLLM nor a GPU; `engine_kwargs` and `sampling_kwargs` need TRL (tested on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shlex
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE_DIR = "bench"  # RUN/bench/generate_calls.rank<N>.jsonl
+PROBE_ENV = "COLOCATE_BENCH_PROBE"  # "1": the sitecustomize patches the ranks' engine
+GC_ENV = "COLOCATE_BENCH_GC"  # "off": garbage collector off during the ranks' llm.generate
+
+# TRL config fields that no engine or sampling argument reads (grpo_trainer.py / rloo_trainer.py where they build
+# VLLMGeneration, vllm_generation.py where it builds SamplingParams); building TRL's config without them needs no GPU
+# (bf16 checks for one) and no process group (deepspeed starts one).
+NOT_FOR_GENERATION = ("deepspeed", "bf16", "fp16")
+
+VARIANTS = {  # name → (what it changes in TRL's request, SamplingParams changes)
+    "trl": ("TRL's SamplingParams, n=1 for each of the num_generations copies", {}),
+    "nodetok": ("+ detokenize=False (TRL reads only token ids and logprobs)", {"detokenize": False}),
+    "nologprobs": ("logprobs=None", {"logprobs": None}),
+    "lean": ("logprobs=None, detokenize=False", {"logprobs": None, "detokenize": False}),
+    "flat": ("+ detokenize=False, flat_logprobs=True", {"detokenize": False, "flat_logprobs": True}),
+    "groupn": ("n=num_generations on one copy of each prompt (vLLM fans out)", {}),
+}
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "seed",
+    "detokenize",
+    "skip_special_tokens",
+    "flat_logprobs",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+)
+
+
+# ---------------------------------------------------------------------------------------------- engine arguments
+
+
+def read_launch(run_dir: Path):
+    from colocate_rl.plan.launch_spec import LaunchSpec
+    from colocate_rl.rundir import RunDir
+
+    return LaunchSpec.read(RunDir(Path(run_dir)).launch_spec)
+
+
+def trl_config(launch):
+    """TRL's GRPOConfig / RLOOConfig of the run (the rank builds it the same way, colocate_rl/rank/worker.py),
+    without NOT_FOR_GENERATION. A generation batch size given in extra_args is turned into steps per generation with
+    the run's world size (TRL derives it from the world size of the process that builds the config)."""
+    from colocate_rl.rank.worker import config_args
+
+    if launch.algorithm == "grpo":
+        from trl import GRPOConfig as Config
+    else:
+        from trl import RLOOConfig as Config
+    args = {k: v for k, v in launch.trl_args.items() if k not in NOT_FOR_GENERATION}
+    args.update(bf16=False, fp16=False)
+    if args.get("generation_batch_size") is not None and args.get("steps_per_generation") is None:
+        per_rank_step = args["per_device_train_batch_size"] * launch.world_size
+        args["steps_per_generation"] = args.pop("generation_batch_size") // per_rank_step
+    return Config(**config_args(Config, args))
+
+
+def trl_engine_init_kwargs(args, algorithm: str) -> dict[str, Any]:
+    """What TRL's GRPOTrainer / RLOOTrainer pass to VLLMGeneration in colocate mode (grpo_trainer.py:1107-1138,
+    rloo_trainer.py:752-783 of TRL 1.16; checked against a real trainer by tests/test_bench_generation.py)."""
+    return dict(
+        mode=args.vllm_mode,
+        structured_outputs_regex=args.vllm_structured_outputs_regex,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_model_length=args.vllm_max_model_length,
+        max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
+        model_impl=args.vllm_model_impl,
+        trust_remote_code=args.trust_remote_code,
+        repetition_penalty=args.repetition_penalty,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_completion_length=args.max_completion_length,
+        logprobs=0 if algorithm == "grpo" else None,
+        generation_kwargs=args.generation_kwargs,
+    )
+
+
+def build_engine(run_dir: Path, rank: int = 0):
+    """colocate-rl's ColocatedEngine of `rank` as the run's trainer constructs it (its __init__ and TRL's run), with
+    vLLM's start skipped: `llm_kwargs()` is then what that rank passes to `vllm.LLM`."""
+    from colocate_rl.rank import vllm_engine
+
+    launch = read_launch(run_dir)
+    if launch.engine is None:
+        raise SystemExit(f"{run_dir}: not a run of colocate-rl's vLLM engine (generation.engine colocate-rl on GPUs)")
+    config = trl_config(launch)
+    if config.vllm_mode != "colocate":
+        raise SystemExit(f"{run_dir}: vllm_mode {config.vllm_mode}, not colocate")
+    cls = type(
+        "ColocatedEngine",
+        (vllm_engine.ColocatedEngine,),
+        {"options": launch.engine, "run_dir": None, "_init_vllm": lambda self: None},
+    )
+    accelerator = SimpleNamespace(
+        process_index=rank,
+        local_process_index=rank,
+        num_processes=launch.world_size,
+        state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None),
+    )
+    model = SimpleNamespace(name_or_path=launch.model_path)
+    return cls(model, accelerator, None, **trl_engine_init_kwargs(config, launch.algorithm))
+
+
+def engine_kwargs(run_dir: Path, rank: int = 0) -> dict[str, Any]:
+    """The arguments of `vllm.LLM` on `rank` of the run in `run_dir` (ColocatedEngine.llm_kwargs)."""
+    return build_engine(run_dir, rank).llm_kwargs()
+
+
+def sampling_kwargs(engine) -> dict[str, Any]:
+    """SamplingParams arguments of TRL's colocated generate (vllm_generation.py:662-672 of TRL 1.16), from an engine
+    of `build_engine`. Structured outputs are not benchmarked."""
+    if engine.structured_outputs_regex is not None or (engine.generation_kwargs or {}).get("structured_outputs"):
+        raise SystemExit("structured outputs (guided decoding) are not benchmarked")
+    kwargs = {
+        "n": 1,
+        "repetition_penalty": engine.repetition_penalty,
+        "temperature": engine.temperature,
+        "top_p": engine.top_p,
+        "top_k": engine.top_k,
+        "min_p": 0.0 if engine.min_p is None else engine.min_p,
+        "max_tokens": engine.max_completion_length,
+        "logprobs": engine.logprobs,
+    }
+    kwargs.update(engine.generation_kwargs or {})
+    return kwargs
+
+
+def variant_sampling(base: dict[str, Any], variant: str) -> dict[str, Any]:
+    """SamplingParams arguments of `variant` (VARIANTS) from TRL's (`base`)."""
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant}; known: {', '.join(VARIANTS)}")
+    kwargs = {**base, **VARIANTS[variant][1]}
+    if kwargs.get("stop") and not kwargs.get("detokenize", True):
+        raise SystemExit(f"variant {variant}: generation_kwargs has stop strings, which need detokenize=True")
+    return kwargs
+
+
+def prompt_groups(prompts: list[list[int]]) -> tuple[list[list[int]], int] | None:
+    """(one copy of each prompt, copies per prompt) when `prompts` is runs of equal length of one prompt each (TRL's
+    RepeatSampler puts a prompt's num_generations copies next to each other); else None."""
+    runs: list[list[Any]] = []
+    for ids in prompts:
+        if runs and runs[-1][0] == ids:
+            runs[-1][1] += 1
+        else:
+            runs.append([ids, 1])
+    sizes = {n for _, n in runs}
+    return ([ids for ids, _ in runs], sizes.pop()) if len(sizes) == 1 else None
+
+
+# ---------------------------------------------------------------------------------------------- summaries
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple, set)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def sampling_summary(params) -> dict[str, Any]:
+    """The SamplingParams fields that decide the work (JSON values)."""
+    return {name: _plain(getattr(params, name, None)) for name in SAMPLING_FIELDS}
+
+
+def config_summary(llm) -> dict[str, Any]:
+    """The engine settings as vLLM built them (read back, not asked): scheduler, CUDA graphs, engine core mode."""
+
+    def read(fn):
+        try:
+            return _plain(fn())
+        except Exception:
+            return None
+
+    cfg = llm.llm_engine.vllm_config
+    sched, cache, model, comp, par = (
+        cfg.scheduler_config,
+        cfg.cache_config,
+        cfg.model_config,
+        cfg.compilation_config,
+        cfg.parallel_config,
+    )
+    return {
+        "max_num_seqs": read(lambda: sched.max_num_seqs),
+        "max_num_batched_tokens": read(lambda: sched.max_num_batched_tokens),
+        "async_scheduling": read(lambda: sched.async_scheduling),
+        "enable_chunked_prefill": read(lambda: sched.enable_chunked_prefill),
+        "max_model_len": read(lambda: model.max_model_len),
+        "dtype": read(lambda: model.dtype),
+        "enforce_eager": read(lambda: model.enforce_eager),
+        "enable_sleep_mode": read(lambda: model.enable_sleep_mode),
+        "logprobs_mode": read(lambda: model.logprobs_mode),
+        "enable_prefix_caching": read(lambda: cache.enable_prefix_caching),
+        "block_size": read(lambda: cache.block_size),
+        "num_gpu_blocks": read(lambda: cache.num_gpu_blocks),
+        "gpu_memory_utilization": read(lambda: cache.gpu_memory_utilization),
+        "compilation_mode": read(lambda: comp.mode),
+        "cudagraph_mode": read(lambda: comp.cudagraph_mode),
+        "max_cudagraph_capture_size": read(lambda: comp.max_cudagraph_capture_size),
+        "distributed_executor_backend": read(lambda: par.distributed_executor_backend),
+        "use_v2_model_runner": read(lambda: cfg.use_v2_model_runner),
+        "engine_core_client": read(lambda: type(llm.llm_engine.engine_core).__name__),  # InprocClient: in-process
+        "vllm": read(lambda: __import__("vllm").__version__),
+    }
+
+
+class GcClock:
+    """Seconds and collections of Python's garbage collector while `active` (a gc callback)."""
+
+    def __init__(self):
+        self.active, self.seconds, self.collections, self._start = False, 0.0, [0, 0, 0], 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.collections[min(int(info.get("generation", 2)), 2)] += 1
+
+    def reset(self) -> None:
+        self.seconds, self.collections = 0.0, [0, 0, 0]
+
+
+def completion_tokens(outputs) -> int:
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+
+# ---------------------------------------------------------------------------------------------- the probe
+
+
+def probe_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / PROBE_DIR / f"generate_calls.rank{rank}.jsonl"
+
+
+def read_probe(run_dir: Path, rank: int = 0) -> tuple[dict | None, list[dict], dict[int, float]]:
+    """(the engine record, the generate calls in order, TRL extraction seconds by call) of a rank's probe file."""
+    engine, calls, extract = None, [], {}
+    path = probe_path(run_dir, rank)
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("kind") == "engine":
+            engine = record
+        elif record.get("kind") == "call":
+            calls.append(record)
+        elif record.get("kind") == "extract":
+            extract[record["call"]] = record["s"]
+    return engine, calls, extract
+
+
+def attach_probe(engine) -> None:
+    """Wrap `engine.llm.generate` (a rank's vllm.LLM) and TRL's `extract_logprobs` to record each call."""
+    run_dir = getattr(engine, "run_dir", None)
+    if run_dir is None or getattr(engine, "llm", None) is None:
+        return
+    rank = engine.accelerator.process_index
+    path = probe_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    llm, clock, state = engine.llm, GcClock(), {"call": -1}
+    gc_off = os.environ.get(GC_ENV) == "off"
+
+    def write(record: dict) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    write({"kind": "engine", "rank": rank, "gc_off": gc_off, "config": config_summary(llm)})
+    generate = llm.generate
+
+    def probed_generate(prompts, sampling_params=None, *args, **kwargs):
+        state["call"] += 1
+        record: dict[str, Any] = {"kind": "call", "call": state["call"], "rank": rank}
+        if state["call"] == 0:
+            record["gc_tracked_objects"] = len(gc.get_objects())  # outside the timed part, in the warm-up step
+        enabled = gc.isenabled()
+        clock.reset()
+        clock.active = True
+        if gc_off:
+            gc.disable()
+        start = time.perf_counter()
+        try:
+            outputs = generate(prompts, sampling_params, *args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - start
+            clock.active = False
+            if gc_off and enabled:
+                gc.enable()
+        ids = [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]
+        record.update(
+            llm_generate_s=round(seconds, 5),
+            gc_s=round(clock.seconds, 5),
+            gc_collections=list(clock.collections),
+            requests=len(prompts),
+            completion_tokens=completion_tokens(outputs),
+            sampling=sampling_summary(sampling_params),
+            prompt_token_ids=[list(i) for i in ids],
+        )
+        write(record)
+        return outputs
+
+    llm.generate = probed_generate
+    trl_vllm = sys.modules.get("trl.generation.vllm_generation")
+    if trl_vllm is not None and not getattr(trl_vllm.extract_logprobs, "_bench_probe", False):
+        extract = trl_vllm.extract_logprobs
+
+        def probed_extract(all_outputs):
+            start = time.perf_counter()
+            result = extract(all_outputs)
+            write({"kind": "extract", "call": state["call"], "s": round(time.perf_counter() - start, 5)})
+            return result
+
+        probed_extract._bench_probe = True
+        trl_vllm.extract_logprobs = probed_extract
+
+
+def patch_engine(module) -> None:
+    """Make colocate_rl.rank.vllm_engine's engine attach the probe once its vLLM has started."""
+    cls = module.ColocatedEngine
+    if getattr(cls._init_vllm, "_bench_probe", False):
+        return
+    init = cls._init_vllm
+
+    def _init_vllm(self):
+        result = init(self)
+        if self.mode == "colocate":
+            attach_probe(self)
+        return result
+
+    _init_vllm._bench_probe = True
+    cls._init_vllm = _init_vllm
+
+
+# ---------------------------------------------------------------------------------------------- standalone run
+
+
+def launch_env(run_dir: Path) -> dict[str, str]:
+    """The variables launch.sh exports to the ranks (OMP_NUM_THREADS, TOKENIZERS_PARALLELISM, HF_HUB_OFFLINE, ...)."""
+    env = {}
+    path = Path(run_dir) / "launch.sh"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        if line.startswith("export "):
+            key, _, value = line[len("export ") :].partition("=")
+            env[key] = shlex.split(value)[0] if value else ""
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` engine-argument overrides; VALUE is JSON when it parses, else text."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--override {item}: use KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def run_standalone(args: argparse.Namespace) -> dict[str, Any]:
+    for key, value in launch_env(args.run_dir).items():  # before torch is imported
+        os.environ.setdefault(key, value)
+    if args.engine == "same":  # vLLM's external launcher reads the torchrun variables; one process, rank 0
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+    engine = build_engine(args.run_dir, args.rank)
+    kwargs = engine.llm_kwargs()
+    if kwargs["tensor_parallel_size"] != 1:
+        raise SystemExit("the standalone comparison runs tensor_parallel_size 1 only")
+    if args.engine == "mp":
+        kwargs.pop("distributed_executor_backend")
+    kwargs.update(parse_overrides(args.override))
+    base = sampling_kwargs(engine)
+    _, calls, _ = read_probe(args.run_dir, args.rank)
+    batches = [c["prompt_token_ids"] for c in calls]
+    needed = args.warmup + args.batches
+    if len(batches) < needed:
+        raise SystemExit(f"{probe_path(args.run_dir, args.rank)}: {len(batches)} recorded generations, need {needed}")
+
+    from trl.generation.vllm_generation import extract_logprobs
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**kwargs)
+    result: dict[str, Any] = {
+        "engine": args.engine,
+        "rank": args.rank,
+        "llm_kwargs": _plain(kwargs),
+        "config": config_summary(llm),
+        "recorded_sampling": calls[0].get("sampling"),
+        "variants": {},
+    }
+    clock = GcClock()
+    for variant in args.variants:
+        params = SamplingParams(**variant_sampling(base, variant))
+        rows = []
+        for k in range(needed):
+            prompts, params_k = batches[k], params
+            if variant == "groupn":
+                grouped = prompt_groups(prompts)
+                if grouped is None:
+                    raise SystemExit("variant groupn: the recorded prompts are not groups of equal copies")
+                prompts, copies = grouped
+                params_k = SamplingParams(**{**variant_sampling(base, variant), "n": copies})
+            llm.reset_prefix_cache()  # as after every weight push of the colocated run
+            clock.reset()
+            clock.active = True
+            start = time.perf_counter()
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params_k, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            clock.active = False
+            row = {"s": round(seconds, 5), "tokens": completion_tokens(outputs), "gc_s": round(clock.seconds, 5)}
+            if params.logprobs is not None:  # what TRL does with them, timed apart
+                start = time.perf_counter()
+                logprobs, _ = extract_logprobs(outputs)
+                _ = [[lp[0] for lp in seq] for seq in logprobs]  # _generate_single_turn keeps the sampled one
+                row["post_s"] = round(time.perf_counter() - start, 5)
+            rows.append(row)
+        result["variants"][variant] = {"sampling": sampling_summary(params), "batches": rows}
+        measured = rows[args.warmup :]
+        seconds = sum(r["s"] for r in measured)
+        print(
+            json.dumps(
+                {
+                    "variant": variant,
+                    "s_per_batch": round(statistics.median(r["s"] for r in measured), 4),
+                    "tokens_per_s": round(sum(r["tokens"] for r in measured) / seconds, 1) if seconds else None,
+                }
+            ),
+            flush=True,
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", type=Path, required=True, help="the colocated run (with the probe's records)")
+    parser.add_argument("--engine", choices=("same", "mp"), default="same")
+    parser.add_argument("--variants", default="trl", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--warmup", type=int, default=2, help="batches before the timed ones (generations 0..)")
+    parser.add_argument("--batches", type=int, default=10, help="timed batches")
+    parser.add_argument("--rank", type=int, default=0, help="whose prompts and sampling seed")
+    parser.add_argument("--override", action="append", default=[], help="engine argument KEY=VALUE (JSON value)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    for variant in args.variants:
+        variant_sampling({}, variant)  # unknown names fail before vLLM starts
+    result = run_standalone(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

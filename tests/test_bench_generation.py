@@ -1,0 +1,441 @@
+"""benchmarks/bench_generation.py and benchmarks/generation_vllm.py without a GPU: the commands of every workload,
+the engine arguments the standalone vLLM takes from a run directory (planned in-process, as `train` writes it, and
+checked against the engine a real TRL trainer builds), TRL's SamplingParams and the variants, the probe (with a
+stand-in for `vllm.LLM`), and the ratio table (from hand-written result rows, not measurements)."""
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from colocate_rl.pipeline import load_resolved
+from colocate_rl.plan.host import assumed_host
+from colocate_rl.plan.launch_plan import make_plan
+from colocate_rl.recipe.load import parse_sets
+from tests.conftest import ROOT, import_benchmark
+
+bench = import_benchmark("bench_generation")
+G = import_benchmark("generation_vllm")
+
+SMOLLM2_CONFIG = {  # SmolLM2-135M-Instruct's config.json, the fields the memory plan reads
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture
+def model_and_data(tmp_path):
+    model = tmp_path / "smollm2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(64))
+    )
+    return model, data
+
+
+def args_for(*argv: str) -> SimpleNamespace:
+    """The driver's parsed options (its defaults, then `argv`), without running it."""
+    ns = SimpleNamespace(
+        steps=bench.STEPS,
+        warmup=bench.WARMUP,
+        variants=bench.SAME_VARIANTS,
+        mp_variants=bench.MP_VARIANTS,
+        devices="0,1",
+        model=None,
+        data=None,
+        set=[],
+        override=[],
+        env=[],
+    )
+    for key, value in zip(argv[::2], argv[1::2]):
+        setattr(ns, key, value)
+    return ns
+
+
+def test_dry_run_prints_each_workloads_commands_and_runs_nothing(tmp_path, model_and_data, capsys):
+    model, data = model_and_data
+    out = tmp_path / "bench"
+    code = bench.main(
+        ["--out", str(out), "--workloads", "all", "--dry-run", "--model", str(model), "--data", str(data)]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0 and not out.exists()
+    assert len(lines) == 3 * len(bench.WORKLOADS)  # colocated, same, mp per workload
+    by_workload = {name: lines[3 * i : 3 * i + 3] for i, name in enumerate(bench.WORKLOADS)}
+    for name, (colocated, same, mp) in by_workload.items():
+        gpus = "0,1" if name == "b256" else "0"
+        assert colocated.startswith(
+            f"CUDA_VISIBLE_DEVICES={gpus} PYTHONPATH={bench.PROBE_PATH} COLOCATE_BENCH_PROBE=1 "
+        )
+        argv = shlex.split(colocated.split(" ", 3)[3])
+        assert argv[1:5] == ["-m", "colocate_rl", "train", bench.WORKLOADS[name][1]]
+        assert argv[argv.index("--run-dir") + 1] == str(out / "runs" / name)
+        sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+        assert sets[: len(bench.WORKLOADS[name][2])] == bench.WORKLOADS[name][2]
+        assert "trainer.max_steps=12" in sets and "output.save_model=false" in sets
+        for line, stage, variants in ((same, "same", "trl,nodetok,lean"), (mp, "mp", "trl,lean")):
+            assert line.startswith("CUDA_VISIBLE_DEVICES=0 ")  # standalone: one GPU
+            argv = shlex.split(line.split(" ", 1)[1])
+            assert argv[1] == "benchmarks/generation_vllm.py"
+            opts = dict(zip(argv[2::2], argv[3::2]))
+            assert opts == {
+                "--run-dir": str(out / "runs" / name),
+                "--engine": stage,
+                "--variants": variants,
+                "--warmup": "2",
+                "--batches": "10",
+                "--out": str(out / "standalone" / f"{name}.{stage}.json"),
+            }
+    c256_sets = shlex.split(by_workload["c256"][0])
+    assert f"model.name={model}" in c256_sets and f"data.source={data}" in c256_sets
+
+
+def test_bad_options_exit_2_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert bench.main(["--out", str(out), "--workloads", "c256", "--dry-run"]) == 2
+    assert "c256 needs --model" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--workloads", "b256", "--devices", "0", "--dry-run"]) == 2
+    assert "b256 needs 2 GPUs" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--workloads", "a7", "--stages", "same,xx"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown workload a7" in err and "unknown stage xx" in err
+    assert not out.exists()
+
+
+def plan_run_dir(name: str, run_dir: Path, args: SimpleNamespace) -> None:
+    """Write the run directory `train` would write for the workload's colocated command (planned in-process, for a
+    node of H200s, as tests/test_golden.py plans; `train --dry-run` writes nothing)."""
+    argv = bench.colocated_command(run_dir.name, name, run_dir.parent.parent, args)
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    host = assumed_host(bench.WORKLOADS[name][0], 141.0, cpu_count=32)
+    resolved, _ = load_resolved(ROOT / argv[4], parse_sets(sets), host=host, env={})
+    plan = make_plan(resolved, run_dir=run_dir, python="python", cwd=ROOT, cache_dir=run_dir / "cache", base_env={})
+    for rel, text in plan.files.items():
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / rel).write_text(text)
+
+
+COMMON = dict(  # what every workload's rank 0 passes to vllm.LLM besides the per-workload values
+    tensor_parallel_size=1,
+    model_impl="vllm",  # TRL 1.16's GRPOConfig.vllm_model_impl default
+    distributed_executor_backend="external_launcher",
+    seed=0,
+    max_num_batched_tokens=4096,
+    logprobs_mode="processed_logprobs",
+    trust_remote_code=False,
+    enforce_eager=False,
+    enable_prefix_caching=True,
+)
+
+
+@pytest.mark.parametrize(
+    "name, expected, max_tokens",
+    [
+        ("a16", dict(gpu_memory_utilization=0.25, max_model_len=512, max_num_seqs=16, enable_sleep_mode=True), 256),
+        ("a128", dict(gpu_memory_utilization=0.25, max_model_len=512, max_num_seqs=128, enable_sleep_mode=True), 256),
+        ("b256", dict(gpu_memory_utilization=0.25, max_model_len=768, max_num_seqs=128, enable_sleep_mode=True), 512),
+        ("c256", dict(gpu_memory_utilization=0.3, max_model_len=768, max_num_seqs=256), 256),
+    ],
+)
+def test_standalone_engine_arguments_come_from_the_run_dir(name, expected, max_tokens, tmp_path, model_and_data):
+    model, data = model_and_data
+    run_dir = tmp_path / "bench" / "runs" / name
+    plan_run_dir(name, run_dir, args_for("model", str(model), "data", str(data)))
+    kwargs = G.engine_kwargs(run_dir)
+    spec = json.loads((run_dir / "launch.json").read_text())
+    if name == "c256":  # sleep_level auto, decided by the plan: recipe.yaml holds the level
+        expected["enable_sleep_mode"] = spec["engine"]["sleep_level"] > 0
+    assert kwargs == dict(model=spec["model_path"], **COMMON, **expected)
+    assert spec["model_path"] == (str(model) if name == "c256" else str(run_dir / "model"))
+    sampling = G.sampling_kwargs(G.build_engine(run_dir))
+    assert sampling == dict(
+        n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=max_tokens, logprobs=0
+    )
+    assert bench.completions_per_rank(spec["trl_args"]) == expected["max_num_seqs"]
+
+
+def tiny_model_dir(path: Path) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from colocate_rl import builtin_model
+
+    builtin_model._train_tokenizer(path, 512)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_engine_arguments_equal_those_of_the_engine_a_real_trainer_builds(algorithm, tmp_path, monkeypatch):
+    """TRL's trainer constructs colocate-rl's engine (vLLM's start skipped); its llm_kwargs and sampling settings are
+    what generation_vllm rebuilds from a run directory holding the same launch.json."""
+    import trl.trainer.grpo_trainer as grpo
+    import trl.trainer.rloo_trainer as rloo
+    from datasets import Dataset
+
+    from colocate_rl.builtin_model import load_tokenizer
+    from colocate_rl.plan.engine_options import EngineOptions
+    from colocate_rl.plan.launch_spec import LaunchSpec
+    from colocate_rl.rank import vllm_engine as E
+    from colocate_rl.rank.worker import config_args
+    from colocate_rl.recipe.schema import GenerationSection
+
+    model = tiny_model_dir(tmp_path / "model")
+    options = EngineOptions.from_generation(GenerationSection(sleep_level=2, max_num_batched_tokens=8192))
+    trl_args = dict(
+        output_dir=str(tmp_path / "checkpoints"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=32,
+        temperature=0.9,
+        top_k=5,
+        seed=3,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.25,
+        vllm_tensor_parallel_size=1,
+        vllm_enable_sleep_mode=True,
+        vllm_max_model_length=128,
+        generation_kwargs={"seed": 7},
+        report_to="none",
+        bf16=False,
+    )
+    if algorithm == "grpo":
+        from trl import GRPOConfig as Config
+        from trl import GRPOTrainer as Trainer
+    else:
+        from trl import RLOOConfig as Config
+        from trl import RLOOTrainer as Trainer
+    monkeypatch.setattr(E.ColocatedEngine, "_init_vllm", lambda self: None)
+    monkeypatch.setattr(grpo, "VLLMGeneration", grpo.VLLMGeneration)  # restored after the test: install() sets them
+    monkeypatch.setattr(rloo, "VLLMGeneration", rloo.VLLMGeneration)
+    E.install(options, None)
+    trainer = Trainer(
+        model=str(model),
+        reward_funcs=[lambda completions, **kwargs: [0.0] * len(completions)],
+        args=Config(**config_args(Config, trl_args)),
+        train_dataset=Dataset.from_list([{"prompt": "Count from 1 to 5."}] * 8),
+        processing_class=load_tokenizer(model),
+    )
+    real = trainer.vllm_generation
+    assert isinstance(real, E.ColocatedEngine)
+    real_kwargs, real_sampling = real.llm_kwargs(), G.sampling_kwargs(real)  # before another TRL config resets
+    # accelerate's state (building a TrainingArguments does)
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    spec = LaunchSpec(
+        model_path=str(model),
+        algorithm=algorithm,
+        backend="vllm",
+        device="cuda",
+        world_size=1,
+        trl_args={**trl_args, "bf16": True, "deepspeed": "/nowhere/deepspeed.json"},  # not read for generation
+        engine=options,
+        recipe_hash="0",
+    )
+    (run_dir / "launch.json").write_text(spec.to_json())
+    rebuilt = G.build_engine(run_dir)
+    assert rebuilt.llm_kwargs() == real_kwargs
+    assert real_kwargs["max_num_seqs"] == 8 and real_kwargs["max_num_batched_tokens"] == 8192
+    assert G.sampling_kwargs(rebuilt) == real_sampling
+    assert real_sampling["logprobs"] == (0 if algorithm == "grpo" else None)
+    assert real_sampling["seed"] == 7  # generation_kwargs reach SamplingParams last, as in TRL
+
+
+def test_variants_change_one_thing_each_and_groups_are_found():
+    base = dict(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_tokens=8, logprobs=0)
+    assert G.variant_sampling(base, "trl") == base
+    assert G.variant_sampling(base, "nodetok") == {**base, "detokenize": False}
+    assert G.variant_sampling(base, "lean") == {**base, "logprobs": None, "detokenize": False}
+    assert G.variant_sampling(base, "flat") == {**base, "detokenize": False, "flat_logprobs": True}
+    with pytest.raises(SystemExit, match="stop strings"):
+        G.variant_sampling({**base, "stop": ["\n"]}, "nodetok")
+    with pytest.raises(SystemExit, match="unknown variant"):
+        G.variant_sampling(base, "fast")
+    assert G.prompt_groups([[1, 2]] * 3 + [[3]] * 3) == ([[1, 2], [3]], 3)
+    assert G.prompt_groups([[1, 2]] * 3 + [[3]] * 2) is None
+
+
+class FakeCompletion:
+    def __init__(self, n):
+        self.token_ids = list(range(n))
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM: each prompt gets `len(prompt)` completion tokens."""
+
+    def __init__(self):
+        cfg = SimpleNamespace(
+            scheduler_config=SimpleNamespace(max_num_seqs=128, max_num_batched_tokens=4096, async_scheduling=True),
+            cache_config=SimpleNamespace(enable_prefix_caching=True),
+            model_config=SimpleNamespace(enforce_eager=False, max_model_len=512),
+            compilation_config=SimpleNamespace(max_cudagraph_capture_size=256),
+            parallel_config=SimpleNamespace(distributed_executor_backend="external_launcher"),
+        )
+        self.llm_engine = SimpleNamespace(vllm_config=cfg, engine_core=SimpleNamespace())
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=True):
+        return [SimpleNamespace(outputs=[FakeCompletion(len(p["prompt_token_ids"]))]) for p in prompts]
+
+
+def test_probe_records_each_generate_of_a_rank(tmp_path, monkeypatch):
+    from colocate_rl.rank import vllm_engine as E
+
+    monkeypatch.setattr(E.ColocatedEngine, "_init_vllm", E.ColocatedEngine._init_vllm)  # restored after the test
+    G.patch_engine(E)
+    G.patch_engine(E)  # once only
+    assert E.ColocatedEngine._init_vllm._bench_probe
+
+    engine = SimpleNamespace(run_dir=tmp_path, llm=FakeLLM(), accelerator=SimpleNamespace(process_index=1))
+    monkeypatch.setitem(sys.modules, "trl.generation.vllm_generation", SimpleNamespace(extract_logprobs=lambda o: o))
+    G.attach_probe(engine)
+    params = SimpleNamespace(n=1, temperature=1.0, logprobs=0, max_tokens=8, detokenize=True)
+    for batch in ([[1, 2, 3]] * 2, [[4, 5]] * 2):
+        outputs = engine.llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        sys.modules["trl.generation.vllm_generation"].extract_logprobs(outputs)
+    record, calls, extract = G.read_probe(tmp_path, rank=1)
+    assert record["config"]["max_num_seqs"] == 128 and record["config"]["max_cudagraph_capture_size"] == 256
+    assert record["config"]["engine_core_client"] == "SimpleNamespace" and record["gc_off"] is False
+    assert [c["prompt_token_ids"] for c in calls] == [[[1, 2, 3]] * 2, [[4, 5]] * 2]
+    assert [c["completion_tokens"] for c in calls] == [6, 4] and [c["requests"] for c in calls] == [2, 2]
+    assert calls[0]["sampling"]["logprobs"] == 0 and calls[0]["sampling"]["top_k"] is None
+    assert calls[0]["gc_tracked_objects"] > 0 and "gc_tracked_objects" not in calls[1]
+    assert set(extract) == {0, 1} and all(c["llm_generate_s"] >= 0 for c in calls)
+
+
+def write_hand_made_results(out: Path, name: str) -> None:
+    """A finished workload's files, with made-up numbers: 3 steps (1 warm-up), 100 tokens per generation."""
+    run = out / "runs" / name
+    (run / "bench").mkdir(parents=True)
+    steps = [
+        {"step": i + 1, "reward": 0.1, "time/generate_s": s, "completions/mean_length": 50.0}
+        for i, s in enumerate((9.0, 2.0, 2.0))
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    sampling = {"n": 1, "logprobs": 0}
+    probe = [{"kind": "engine", "config": {"max_num_seqs": 2, "max_cudagraph_capture_size": 4}, "gc_off": False}]
+    probe += [
+        {
+            "kind": "call",
+            "call": i,
+            "requests": 2,
+            "completion_tokens": 100,
+            "llm_generate_s": 1.5,
+            "gc_s": 0.01,
+            "sampling": sampling,
+            "prompt_token_ids": [[1], [1]],
+        }
+        for i in range(3)
+    ]
+    probe += [{"kind": "extract", "call": i, "s": 0.25} for i in range(3)]
+    (run / "bench" / "generate_calls.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in probe))
+    standalone = {
+        "config": {"max_num_seqs": 2, "max_cudagraph_capture_size": 4},
+        "variants": {
+            "trl": {
+                "sampling": sampling,
+                "batches": [{"s": 5.0, "tokens": 100}] + [{"s": 1.0, "tokens": 100, "post_s": 0.2}] * 2,
+            },
+            "lean": {
+                "sampling": {"n": 1, "logprobs": None},
+                "batches": [{"s": 5.0, "tokens": 100}] + [{"s": 0.5, "tokens": 100}] * 2,
+            },
+        },
+    }
+    (out / "standalone").mkdir(parents=True)
+    (out / "standalone" / f"{name}.same.json").write_text(json.dumps(standalone))
+
+
+def test_ratio_and_table_from_hand_written_result_files(tmp_path):
+    """Made-up numbers, not measurements: colocated 2 s and standalone 1 s per 100-token batch → ratio 0.5."""
+    write_hand_made_results(tmp_path, "a16")
+    row = bench.figures("a16", tmp_path, 1, {"colocated": 0, "same": 0}, ["cmd"])
+    c = row["colocated"]
+    assert (c["measured"], c["s_per_batch"], c["tokens_per_s"], c["tokens_from"]) == (2, 2.0, 50.0, "probe")
+    assert (c["llm_generate_s"], c["extract_s"], c["gc_s"], c["requests"]) == (1.5, 0.25, 0.01, 2)
+    trl = row["same"]["variants"]["trl"]
+    assert (trl["s_per_batch"], trl["tokens_per_s"], trl["post_s"]) == (1.0, 100.0, 0.2)
+    assert row["same"]["variants"]["lean"]["tokens_per_s"] == 200.0
+    assert row["ratio"] == 0.5 and row["sampling_match"] is True and row["config_diff"] == {}
+    assert "mp" not in row
+
+    text = bench.table([{**row, "ratio": 0.1}, row])  # the last row of a workload wins
+    header, rule, line = text.splitlines()[:3]
+    cells = dict(
+        zip([h.strip() for h in header.strip("|").split("|")], [v.strip() for v in line.strip("|").split("|")])
+    )
+    assert len(rule.split("|")) == len(bench.TABLE_COLUMNS) + 2
+    assert cells["workload"] == "a16" and cells["ratio colocated/standalone"] == "0.5"
+    assert cells["colocated tok/s"] == "50.0" and cells["standalone tok/s"] == "100.0"
+    assert cells["standalone lean tok/s"] == "200.0" and cells["mp-engine trl tok/s"] == ""
+    assert cells["exits"] == "colocated:0 same:0" and cells["CUDA graph max size"] == "4"
+    assert text.count("| a16 |") == 1 and "ratio = colocated tokens/s" in text
+
+
+def test_table_option_rewrites_table_md_from_results(tmp_path):
+    write_hand_made_results(tmp_path, "a128")
+    row = bench.figures("a128", tmp_path, 1, {"colocated": 0}, [])
+    (tmp_path / "results.jsonl").write_text(json.dumps(row) + "\n")
+    assert bench.main(["--out", str(tmp_path), "--table"]) == 0
+    assert "| a128 | 2 | 2.0 | 50.0 |" in (tmp_path / "table.md").read_text()
+
+
+def test_launch_env_is_what_launch_sh_exports(tmp_path):
+    (tmp_path / "launch.sh").write_text(
+        "#!/usr/bin/env bash\nset -euo pipefail\ncd /x\nexport OMP_NUM_THREADS=16\nexport A='b c'\nexec python -m x\n"
+    )
+    assert G.launch_env(tmp_path) == {"OMP_NUM_THREADS": "16", "A": "b c"}
+    assert G.parse_overrides(["max_num_batched_tokens=16384", "kv=text"]) == {
+        "max_num_batched_tokens": 16384,
+        "kv": "text",
+    }
+
+
+def test_sitecustomize_patches_the_engine_only_in_a_probed_worker():
+    """benchmarks/generation_probe on PYTHONPATH: a process whose command line names colocate_rl.worker, with
+    COLOCATE_BENCH_PROBE=1, gets the engine patched on import; any other process gets no import hook."""
+    import subprocess
+
+    from tests.conftest import clean_env
+
+    env = clean_env(PYTHONPATH=str(bench.PROBE_PATH), COLOCATE_BENCH_PROBE="1")
+    code = "import colocate_rl.rank.vllm_engine as E; print(E.ColocatedEngine._init_vllm._bench_probe)"
+    worker = subprocess.run([sys.executable, "-c", code, "colocate_rl.worker"], env=env, capture_output=True, text=True)
+    assert worker.stdout.strip() == "True", worker.stderr[-2000:]
+    hooks = "import sys; print([type(f).__name__ for f in sys.meta_path if type(f).__name__ == '_Finder'])"
+    other = subprocess.run([sys.executable, "-c", hooks], env=env, capture_output=True, text=True)
+    assert other.stdout.strip() == "[]", other.stderr[-2000:]
+
+
+def test_an_experiments_recipe_override_reaches_both_sides(tmp_path):
+    """`--set trainer.extra_args.generation_kwargs={detokenize: false}` (an experiment row) changes TRL's
+    SamplingParams in the colocated run (TRL merges generation_kwargs last), so the standalone's `trl` variant
+    follows it from the run directory."""
+    run_dir = tmp_path / "bench" / "runs" / "a128+nodetok"
+    argv_sets = ["trainer.extra_args.generation_kwargs={detokenize: false}"]
+    plan_run_dir("a128", run_dir, args_for("set", argv_sets))
+    assert G.sampling_kwargs(G.build_engine(run_dir))["detokenize"] is False
+    assert G.engine_kwargs(run_dir)["max_num_seqs"] == 128
