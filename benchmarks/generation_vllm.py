@@ -135,6 +135,8 @@ def build_engine(run_dir: Path, rank: int = 0):
     """colocate-rl's ColocatedEngine of `rank` as the run's trainer constructs it (its __init__ and TRL's run), with
     vLLM's start skipped: `llm_kwargs()` is then what that rank passes to `vllm.LLM`."""
     from colocate_rl.rank import vllm_engine
+    from colocate_rl.recipe.load import load_recipe
+    from colocate_rl.rundir import RunDir
 
     launch = read_launch(run_dir)
     if launch.engine is None:
@@ -145,7 +147,12 @@ def build_engine(run_dir: Path, rank: int = 0):
     cls = type(
         "ColocatedEngine",
         (vllm_engine.ColocatedEngine,),
-        {"options": launch.engine, "run_dir": None, "_init_vllm": lambda self: None},
+        {
+            "options": launch.engine,
+            "run_dir": None,
+            "seed": load_recipe(RunDir(Path(run_dir)).recipe).trainer.seed,  # as the worker's install() sets it
+            "_init_vllm": lambda self: None,
+        },
     )
     accelerator = SimpleNamespace(
         process_index=rank,

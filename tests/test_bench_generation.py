@@ -231,7 +231,7 @@ def test_engine_arguments_equal_those_of_the_engine_a_real_trainer_builds(algori
     monkeypatch.setattr(E.ColocatedEngine, "_init_vllm", lambda self: None)
     monkeypatch.setattr(grpo, "VLLMGeneration", grpo.VLLMGeneration)  # restored after the test: install() sets them
     monkeypatch.setattr(rloo, "VLLMGeneration", rloo.VLLMGeneration)
-    E.install(options, None)
+    E.install(options, None, seed=trl_args["seed"])  # as colocate_rl/rank/worker.py installs it: trainer.seed
     trainer = Trainer(
         model=str(model),
         reward_funcs=[lambda completions, **kwargs: [0.0] * len(completions)],
@@ -257,9 +257,13 @@ def test_engine_arguments_equal_those_of_the_engine_a_real_trainer_builds(algori
         recipe_hash="0",
     )
     (run_dir / "launch.json").write_text(spec.to_json())
+    recipe = {"algorithm": algorithm, "model": {"name": str(model)}, "data": {"source": "builtin:digits"}}
+    recipe.update(rewards=[{"name": "digit_share"}], trainer={"seed": trl_args["seed"]})
+    (run_dir / "recipe.yaml").write_text(json.dumps(recipe))  # JSON is YAML
     rebuilt = G.build_engine(run_dir)
     assert rebuilt.llm_kwargs() == real_kwargs
     assert real_kwargs["max_num_seqs"] == 8 and real_kwargs["max_num_batched_tokens"] == 8192
+    assert real_kwargs["seed"] == 3  # trainer.seed + the tensor-parallel group of rank 0
     assert G.sampling_kwargs(rebuilt) == real_sampling
     assert real_sampling["logprobs"] == (0 if algorithm == "grpo" else None)
     assert real_sampling["seed"] == 7  # generation_kwargs reach SamplingParams last, as in TRL
@@ -435,7 +439,8 @@ def test_an_experiments_recipe_override_reaches_both_sides(tmp_path):
     SamplingParams in the colocated run (TRL merges generation_kwargs last), so the standalone's `trl` variant
     follows it from the run directory."""
     run_dir = tmp_path / "bench" / "runs" / "a128+nodetok"
-    argv_sets = ["trainer.extra_args.generation_kwargs={detokenize: false}"]
+    argv_sets = ["trainer.extra_args.generation_kwargs={detokenize: false}", "trainer.seed=5"]
     plan_run_dir("a128", run_dir, args_for("set", argv_sets))
     assert G.sampling_kwargs(G.build_engine(run_dir))["detokenize"] is False
-    assert G.engine_kwargs(run_dir)["max_num_seqs"] == 128
+    kwargs = G.engine_kwargs(run_dir)
+    assert kwargs["max_num_seqs"] == 128 and kwargs["seed"] == 5  # vLLM samples from trainer.seed on rank 0

@@ -11,7 +11,10 @@ from conftest import assert_user_error, cli
 from rich.console import Console
 
 from colocate_rl.errors import UserError
+from colocate_rl.telemetry import plots
 from colocate_rl.telemetry import report as rep
+from colocate_rl.telemetry.plots import plot_memory_timeline
+from colocate_rl.telemetry.timeline import innermost_spans
 
 # One step, in order: (innermost phase, seconds, memory during it in GiB); generate wraps wake … sleep.
 GPU_STEP = [
@@ -139,7 +142,7 @@ def drawn(path: Path) -> float:
 def figures(monkeypatch):
     """The figures the plot functions save, kept open to inspect their artists."""
     saved = {}
-    monkeypatch.setattr(rep, "_save", lambda fig, path: saved.setdefault(path.name, fig) and path)
+    monkeypatch.setattr(plots, "_save", lambda fig, path: saved.setdefault(path.name, fig) and path)
     return saved
 
 
@@ -199,12 +202,12 @@ def test_innermost_spans_of_nested_phases():
         (5, "optimizer", "start"),
         (6, "optimizer", "end"),
     ]
-    assert rep.innermost_spans(edges) == [(0, 1, "wake"), (1, 3, "generate"), (3, 4, "sleep"), (5, 6, "optimizer")]
+    assert innermost_spans(edges) == [(0, 1, "wake"), (1, 3, "generate"), (3, 4, "sleep"), (5, 6, "optimizer")]
 
 
 def test_memory_timeline_draws_every_rank_phases_and_step_ends(tmp_path, figures):
     run = rep.load_run(make_run(tmp_path / "run"))
-    rep.plot_memory_timeline([run], tmp_path / "memory_timeline.png")
+    plot_memory_timeline([run], tmp_path / "memory_timeline.png")
     axes = figures["memory_timeline.png"].axes
     assert len(axes) == 2 and axes[1].get_ylabel() == "rank 1 (cuda:1)\nGPU used (GiB)"
     memory, ends = axes[0].lines
