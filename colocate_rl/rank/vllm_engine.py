@@ -138,7 +138,7 @@ class ColocatedEngine(VLLMGeneration):
             enable_sleep_mode=self.sleep_level > 0,
             model_impl=self.model_impl,
             distributed_executor_backend="external_launcher",
-            seed=self.seed + accelerator.process_index // self.tensor_parallel_size,  # same inside a TP group
+            seed=(self.seed + accelerator.process_index // self.tensor_parallel_size) % 2**32,  # same in a TP group
             max_num_batched_tokens=o.max_num_batched_tokens,
             logprobs_mode="processed_logprobs",  # the importance-sampling correction needs processed logprobs
             trust_remote_code=self.trust_remote_code,
