@@ -417,8 +417,8 @@ def table(results: list[dict]) -> str:
             "",
             "## Per config: mean over the seeds (min–max)",
             "",
-            "Eval first is the first evaluation (after `--eval-every` steps), not the model before training. Only "
-            "rows that exited 0 count.",
+            "Eval first is the first evaluation: step 0, before training (`eval.before_training`). Only rows that "
+            "exited 0 count.",
             "",
         ]
         configs: dict[str, list[dict]] = {}

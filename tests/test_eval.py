@@ -234,6 +234,37 @@ def test_evaluate_on_a_real_trainer(tiny, tmp_path, algorithm):
     assert sampled != resampled and set(sampled) == set(first)  # sampled at temperature 1
 
 
+@pytest.mark.parametrize(
+    ("before_training", "start_step", "want"),
+    [(True, 0, [0, 2, 4]), (False, 0, [2, 4]), (True, 2, [4])],  # a resumed run (start past 0) has its baseline
+)
+def test_evaluations_are_scheduled_before_training_and_every_n_steps(monkeypatch, before_training, start_step, want):
+    """When the callback evaluates; `evaluate` and transformers' `Trainer.log` are replaced by recorders (what they
+    do is tested on a real trainer above and through torchrun below)."""
+    from transformers import Trainer, TrainerControl, TrainerState
+
+    import colocate_rl.rank.evaluation as E
+
+    recipe = parse_recipe(
+        {
+            "rewards": REWARDS,
+            "eval": {"every_steps": 2, "before_training": before_training},
+            "trainer": {"max_steps": 4},
+        }
+    )
+    logged = []
+    monkeypatch.setattr(E, "evaluate", lambda trainer, dataset, temperature: {"eval/reward": 0.5})
+    monkeypatch.setattr(Trainer, "log", lambda self, logs: logged.append(state.global_step))
+    callback = E.make_eval_callback(recipe)
+    callback.trainer = type("T", (), {"control": TrainerControl()})()
+    state, control = TrainerState(global_step=start_step, max_steps=4), TrainerControl()
+    callback.on_train_begin(None, state, control)
+    while state.global_step < 4:
+        state.global_step += 1
+        callback.on_step_end(None, state, control)
+    assert logged == want
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -260,8 +291,8 @@ def test_report_plots_the_held_out_curves(tmp_path):
 
 @pytest.mark.slow
 def test_eval_records_through_torchrun(tmp_path):
-    """Quickstart (2 ranks, ZeRO-3, CPU) for 4 steps, evaluating every 2 on 3 held-out prompts (the second rank's
-    share padded): eval records at steps 2 and 4, every training step still logged."""
+    """Quickstart (2 ranks, ZeRO-3, CPU) for 4 steps, evaluating before training and every 2 steps on 3 held-out
+    prompts (the second rank's share padded): eval records at steps 0, 2 and 4, every training step still logged."""
     run_dir = tmp_path / "run"
     sets = [
         "trainer.max_steps=4",
@@ -281,9 +312,10 @@ def test_eval_records_through_torchrun(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + (run_dir / "train.log").read_text()[-5000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/reward" in r]
-    assert [r["step"] for r in evals] == [2, 4]
+    assert [r["step"] for r in evals] == [0, 2, 4]  # step 0: before training (eval.before_training)
     assert [r["step"] for r in records if "reward" in r] == [1, 2, 3, 4]
+    assert records[0]["step"] == 0 and "eval/reward" in records[0]  # the baseline comes first
     for r in evals:
         assert r["eval/reward"] == pytest.approx(r["eval/digit_share"] + 0.5 * r["eval/length_penalty"], abs=2e-6)
         assert r["eval/length_penalty"] < 0 and 0 < r["eval/completion_length"] <= 16 and r["time/eval_s"] > 0
-    assert "eval at step 2/4  eval/reward" in result.stdout
+    assert "eval at step 0/4  eval/reward" in result.stdout and "eval at step 2/4  eval/reward" in result.stdout

@@ -567,7 +567,7 @@ def test_real_model_with_eval(tmp_path, lora):
     records = read_metrics(run)
     train_steps = step_records(run)
     evals = [r for r in records if "eval/reward" in r]
-    assert len(train_steps) == steps and [r["step"] for r in evals] == list(range(10, steps + 1, 10))
+    assert len(train_steps) == steps and [r["step"] for r in evals] == list(range(0, steps + 1, 10))
     assert all(r.get("time/weight_check_s", 0) > 0 for r in train_steps)
     final = run / "final"
     if lora:

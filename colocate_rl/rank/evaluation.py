@@ -1,8 +1,9 @@
 """Held-out evaluation during training: the recipe's `eval:` section, on every rank.
 
 `make_eval_callback(recipe)` (None when `eval.every_steps` is null) loads the held-out prompts
-(`colocate_rl.prompts.load_eval_prompts`) and returns a TrainerCallback that, at every `eval.every_steps`-th step end
-and at the last step's end (not at a stop request's), calls `evaluate`:
+(`colocate_rl.prompts.load_eval_prompts`) and returns a TrainerCallback that, before the first step of a run that is
+not resumed (`eval.before_training`, logged as step 0), at every `eval.every_steps`-th step end and at the last
+step's end (not at a stop request's), calls `evaluate`:
 
 - each rank takes an equal share of the prompts (the last ranks' shares padded with the last prompt, left out of
   the scores): generation and the gathers below are collectives;
@@ -155,13 +156,20 @@ def make_eval_callback(recipe: Recipe):
     class EvalCallback(TrainerCallback):
         trainer = None
 
-        def on_step_end(self, args, state, control, **kwargs):
-            step, last = state.global_step, state.global_step >= state.max_steps
-            if (control.should_training_stop and not last) or (step % ev.every_steps and not last):
-                return  # a stop request ends the run quickly; no evaluation due
+        def _evaluate_and_log(self, control) -> None:
             metrics = evaluate(self.trainer, dataset, ev.temperature)
             should_log = control.should_log  # on_log clears it: the step's training record is still to come
             Trainer.log(self.trainer, {k: v for k, v in metrics.items() if v is not None})
             control.should_log = self.trainer.control.should_log = should_log
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if ev.before_training and state.global_step == 0:  # a resumed run starts past step 0
+                self._evaluate_and_log(control)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step, last = state.global_step, state.global_step >= state.max_steps
+            if (control.should_training_stop and not last) or (step % ev.every_steps and not last):
+                return  # a stop request ends the run quickly; no evaluation due
+            self._evaluate_and_log(control)
 
     return EvalCallback()

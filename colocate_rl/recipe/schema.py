@@ -276,6 +276,11 @@ class EvalSection(_Section):
         64, description="Held-out prompts per evaluation (the first N of eval.source), spread over the ranks."
     )
     temperature: NonNegativeFloat = Field(0.0, description="Sampling temperature of the evaluation; 0 = greedy.")
+    before_training: bool = Field(
+        True,
+        description="Also evaluate once before the first step (logged as step 0): the baseline the later "
+        "evaluations compare with. A resumed run does not repeat it.",
+    )
 
 
 class DistributedSection(_Section):
