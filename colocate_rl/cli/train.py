@@ -73,7 +73,10 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") 
     gen = r.generation
     rows = [
         ("recipe", f"{r.name} ({r.algorithm})"),
-        ("model", f"{r.model.name} ({resolved.model_dtype})"),
+        (
+            "model",
+            f"{r.model.name} ({resolved.model_dtype})" + (f", LoRA {r.model.lora.summary()}" if r.model.lora else ""),
+        ),
         ("data", r.data.source),
         ("rewards", ", ".join(f"{x.name or x.model}×{x.weight:g}" for x in r.rewards)),
         (

@@ -354,9 +354,8 @@ def _notes(
         )
     lora = resolved.recipe.model.lora
     if lora is not None:
-        targets = lora.target_modules if isinstance(lora.target_modules, str) else ", ".join(lora.target_modules)
         notes.append(
-            f"LoRA r={lora.r} on {targets}: {trained:,} trainable parameters (fp32); the base weights stay frozen and "
+            f"LoRA {lora.summary()}: {trained:,} trainable parameters (fp32); the base weights stay frozen and "
             "vLLM gets them merged with the adapters"
         )
     return notes

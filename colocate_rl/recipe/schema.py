@@ -89,6 +89,11 @@ class LoraSection(_Section):
         False, description="Also save the base model with the adapter merged in to <run_dir>/final/merged."
     )
 
+    def summary(self) -> str:
+        """`r 16, alpha 32 on all-linear`, for the run summary and the estimate's note."""
+        targets = self.target_modules if isinstance(self.target_modules, str) else ", ".join(self.target_modules)
+        return f"r {self.r}, alpha {self.alpha} on {targets}"
+
 
 class ModelSection(_Section):
     """What to train."""
