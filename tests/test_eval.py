@@ -2,13 +2,10 @@
 evaluation on a real TRL trainer (GRPO and RLOO, in process), the report's plots and one run through real torchrun."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import CPU, ROOT, assert_user_error, cli, write_recipe
+from conftest import CPU, assert_user_error, cli, write_recipe
 
 from colocate_rl.errors import UserError
 from colocate_rl.pipeline import resolve
@@ -300,14 +297,8 @@ def test_eval_records_through_torchrun(tmp_path):
         "eval.num_samples=3",
         "rewards=[{name: digit_share}, {name: length_penalty, weight: 0.5}]",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "colocate_rl", "train", "recipes/quickstart.yaml", "--run-dir", str(run_dir)]
-        + [arg for s in sets for arg in ("--set", s)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "COLUMNS": "200"},
+    result = cli(
+        "train", "recipes/quickstart.yaml", "--run-dir", run_dir, *[a for s in sets for a in ("--set", s)], timeout=900
     )
     assert result.returncode == 0, result.stdout[-3000:] + (run_dir / "train.log").read_text()[-5000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

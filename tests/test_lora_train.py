@@ -3,11 +3,9 @@
 adapter, and the adapter reloaded with PEFT gives the merged model's logits."""
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, clean_env
+from conftest import cli
 
 from colocate_rl.rundir import RunDir
 
@@ -21,14 +19,7 @@ def test_lora_quickstart_learns_and_saves_adapter_and_merged_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "colocate_rl", "train", "quickstart-lora", "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=clean_env(CUDA_VISIBLE_DEVICES=""),
-    )
+    result = cli("train", "quickstart-lora", "--run-dir", run_dir, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + (run_dir / "train.log").read_text()[-5000:]
     assert json.loads((run_dir / "DONE").read_text()) == {"global_step": 20, "world_size": 2}
 

@@ -2,11 +2,8 @@
 a real run on CPU with a tiny local classifier; and the guide's custom reward that reads a dataset column."""
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -204,22 +201,11 @@ def test_the_guides_reward_reads_the_answer_column(tmp_path):
 @pytest.mark.slow
 def test_a_run_with_a_reward_model_logs_it_and_sums_the_weighted_rewards(classifier, tmp_path):
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "colocate_rl",
-            "train",
-            "recipes/quickstart.yaml",
-            "--set",
-            with_reward_model(classifier),
-        ]
-        + ["--set", "trainer.max_steps=3", "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    result = cli(
+        "train",
+        "recipes/quickstart.yaml",
+        *("--set", with_reward_model(classifier), "--set", "trainer.max_steps=3", "--run-dir", run_dir),
         timeout=900,
-        env={**os.environ, "COLUMNS": "200"},
     )
     assert result.returncode == 0, result.stdout[-3000:] + (run_dir / "train.log").read_text()[-5000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
