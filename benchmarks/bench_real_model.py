@@ -2,7 +2,7 @@
 """Training on a real pretrained model (issue 18): GRPO and RLOO, full fine-tuning and LoRA, 2 seeds, held-out eval on.
 
 Every row is one `colocate-rl train` run of recipes/smollm2-135m-gsm8k.yaml (SmolLM2-135M-Instruct on GSM-Symbolic,
-math_verify + 0.5 × hash_answer_format, 32 prompts × 8 completions of ≤ 256 tokens per step) with the local model
+math_verify + 0.5 × hash_answer_format, 4 prompts × 8 completions of ≤ 256 tokens per step) with the local model
 and data given by `--set` (no hub on the GPU machine): `--model DIR` (a transformers directory) and `--data DIR`
 (holding gsm_symbolic_train.jsonl and gsm_symbolic_test.jsonl; eval on the first `--eval-samples` test rows,
 greedy, every `--eval-every` steps and after the last). Rows `{grpo,rloo}-{full,lora}-s{0,1}`: LoRA is
@@ -12,7 +12,8 @@ Several runs at once: `--devices 0,1 --per-gpu K` makes K slots per GPU; each sl
 CUDA_VISIBLE_DEVICES set to its GPU and takes the next row when its run ends. K runs share one GPU, so each gets the
 vLLM share min(recipe share, --vllm-budget / K). A run starts only once the run started before it on the same GPU
 and the very first run have their vLLM engines up (or ended; at most --start-wait s each): vLLM's start-up measures
-the GPU's free memory, and the first run's vLLM compile is cached for the others. Runs on one GPU slow each other: the time and memory figures of the matrix
+the GPU's free memory, and the first run's vLLM compile is cached for the others. With a fixed KV pool
+(`--set generation.kv_cache_memory=SIZE`) vLLM measures nothing at start-up, so only the first run is waited for. Runs on one GPU slow each other: the time and memory figures of the matrix
 are marked with K, and `mem/gpu_peak_gib` is NVML's count for the whole GPU (all K runs). `--timing` runs the full
 vs LoRA pair (grpo, seed 0) alone, one run per GPU, for the LoRA vs full table.
 
@@ -78,6 +79,13 @@ def recipe_share(user_sets: list[str]) -> float:
     """The recipe's vLLM share (schema default when it has none), with the user's --set applied."""
     data = apply_overrides(read_yaml(ROOT / RECIPE), parse_sets(user_sets))
     return parse_recipe(data).generation.vllm_gpu_memory_utilization
+
+
+def fixed_kv_pool(user_sets: list[str]) -> bool:
+    """The user's --set gives vLLM a fixed KV pool (generation.kv_cache_memory): its start-up then sizes nothing from
+    the GPU's free memory, so runs on one GPU may start together."""
+    data = apply_overrides(read_yaml(ROOT / RECIPE), parse_sets(user_sets))
+    return parse_recipe(data).generation.kv_cache_memory is not None
 
 
 def vllm_share(per_gpu: int, budget: float, user_sets: list[str]) -> tuple[float, str | None]:
@@ -177,10 +185,12 @@ def schedule(
     deadline: float | None = None,
     stop: threading.Event | None = None,
     ready: Callable[[Path], bool] = engine_up,
+    after_previous: bool = True,
 ) -> tuple[list[dict], list[str]]:
     """Run `jobs` in order over slots, slot i on the GPU `devices[i]`: the first jobs fill the slots in turn, then the
-    slot that is free first takes the next job. A job starts once the job started before it on the same GPU and the
-    first job are each `ready` (the vLLM engine is up), ended, or started `start_wait` s ago. `launch(job, device, timeout_s)` runs one job to
+    slot that is free first takes the next job. A job starts once the job started before it on the same GPU (only
+    with `after_previous`) and the first job are each `ready` (the vLLM engine is up), ended, or started `start_wait`
+    s ago. `launch(job, device, timeout_s)` runs one job to
     its end (in a thread of its own) and returns its result; `deadline` (time.monotonic()) bounds every run, and no
     job starts less than MIN_START_S before it or once `stop` is set. Returns (the results in the order the jobs
     ended, the rows never started)."""
@@ -211,7 +221,9 @@ def schedule(
                 slot = free.get(timeout=POLL_S)
             except queue.Empty:
                 pass
-        while not stop.is_set() and not (settled(first) and settled(last_on.get(devices[slot]))):
+        while not stop.is_set() and not (
+            settled(first) and (not after_previous or settled(last_on.get(devices[slot])))
+        ):
             time.sleep(POLL_S)
         left = None if deadline is None else deadline - time.monotonic()
         if stop.is_set() or (left is not None and left < MIN_START_S):
@@ -575,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         p.error(str(e))
     mode = "timing" if args.timing else "matrix"
+    try:
+        together = fixed_kv_pool(args.sets)
+    except UserError as e:
+        p.error(str(e))
     jobs = []
     for row in rows:
         run_dir = run_dir_for(out, mode, row)
@@ -586,8 +602,13 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"GPU {d} × {args.per_gpu}" for d in devices)
         + f"; vLLM share {share:g} per run"
         + (f" = {how}" if how else " (given by --set)")
-        + f"; a slot takes the next row when its run ends, and a run starts once the run started before it on its "
-        f"GPU and the first run have their vLLM engines up (at most {args.start_wait:g} s)"
+        + "; a slot takes the next row when its run ends, and a run starts once "
+        + (
+            "the first run has its vLLM engine up (a fixed KV pool: start-ups measure nothing)"
+            if together
+            else "the run started before it on its GPU and the first run have their vLLM engines up"
+        )
+        + f" (at most {args.start_wait:g} s)"
     )
     if args.dry_run:
         plan = planned_schedule([j.row for j in jobs], len(lanes))
@@ -666,7 +687,9 @@ def main(argv: list[str] | None = None) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        results, skipped = schedule(jobs, lanes, launch, start_wait=args.start_wait, deadline=deadline, stop=stop)
+        results, skipped = schedule(
+            jobs, lanes, launch, start_wait=args.start_wait, deadline=deadline, stop=stop, after_previous=not together
+        )
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

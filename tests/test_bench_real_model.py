@@ -295,6 +295,27 @@ def test_a_run_starts_once_the_one_before_has_its_engine_up(tmp_path):
     assert 0.05 <= starts["b"] - starts["a"] < 0.4  # a ended (before its engine was seen): b starts
 
 
+def test_with_a_fixed_kv_pool_runs_wait_for_the_first_engine_only(tmp_path):
+    """generation.kv_cache_memory set: vLLM's start-up measures no free memory, so the runs on one GPU start together
+    once the first run's engine is up (its compile is then cached); without it they are staggered one by one."""
+    assert B.fixed_kv_pool(["generation.kv_cache_memory=3GiB"]) and not B.fixed_kv_pool([])
+    engines = {row: threading.Event() for row in "abcd"}
+    threading.Timer(0.3, engines["a"].set).start()
+    threading.Timer(0.9, engines["b"].set).start()
+    log = []
+    durations = dict.fromkeys("abcd", 1.2)
+    B.schedule(
+        fake_jobs(tmp_path, durations),
+        ["0"] * 4,
+        timed_launch(durations, log),
+        start_wait=5,
+        ready=lambda run_dir: engines[run_dir.name].is_set(),
+        after_previous=False,
+    )
+    starts = {row: s - min(s for _, _, s, _, _ in log) for row, _, s, _, _ in log}
+    assert 0.25 <= starts["b"] < 0.6 and 0.25 <= starts["c"] < 0.6 and 0.25 <= starts["d"] < 0.6  # not after b's 0.9
+
+
 def test_engine_up_reads_the_runs_event(tmp_path):
     assert not B.engine_up(tmp_path)
     (tmp_path / "events.jsonl").write_text(json.dumps({"t": 1, "rank": 0, "kind": "engine_memory"}) + "\n")
