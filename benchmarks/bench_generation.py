@@ -42,7 +42,7 @@ PROBE_PATH = ROOT / "benchmarks" / "generation_probe"
 STANDALONE = ROOT / "benchmarks" / "generation_vllm.py"
 STEPS, WARMUP = 12, 2  # 10 measured steps
 STAGES = ("colocated", "same", "mp")
-SAME_VARIANTS, MP_VARIANTS = "trl,nodetok,lean", "trl,lean"
+SAME_VARIANTS, MP_VARIANTS = "trl,detok,lean", "trl,lean"
 PLAIN = ["distributed.deepspeed=null", "distributed.zero_stage=null"]  # 1 GPU: no DeepSpeed, as bench_engine.py
 WORKLOADS = {  # name: (GPUs, recipe, --set overrides); completions per rank = per_device_train_batch_size × GA
     "a16": (1, "recipes/gpu-0.5b-layout.yaml", PLAIN + ["distributed.nproc_per_node=1"]),
@@ -275,7 +275,7 @@ TABLE_COLUMNS = [
     ("standalone s/batch", "same.variants.trl.s_per_batch"),
     ("standalone tok/s", "same.variants.trl.tokens_per_s"),
     ("ratio colocated/standalone", "ratio"),
-    ("standalone nodetok tok/s", "same.variants.nodetok.tokens_per_s"),
+    ("standalone detok tok/s", "same.variants.detok.tokens_per_s"),
     ("standalone lean tok/s", "same.variants.lean.tokens_per_s"),
     ("mp-engine trl tok/s", "mp.variants.trl.tokens_per_s"),
     ("mp-engine lean tok/s", "mp.variants.lean.tokens_per_s"),
@@ -286,7 +286,7 @@ TABLE_COLUMNS = [
 TABLE_NOTE = (
     "ratio = colocated tokens/s ÷ standalone tokens/s (same engine arguments, prompts and TRL SamplingParams, one "
     "GPU; 1 = parity, 0.5 = half the speed). Per rank (rank 0), median over the measured batches; tok/s = tokens ÷ "
-    "seconds summed over them. nodetok / lean / mp-engine: the standalone with detokenize=False / with no logprobs "
+    "seconds summed over them. detok / lean / mp-engine: the standalone with detokenize=True (TRL's own engine) / with no logprobs "
     "and no detokenization / with vLLM's own engine-core process (benchmarks/generation_vllm.py).\n"
 )
 

@@ -3,7 +3,7 @@
 
 Standalone (a separate process on one GPU, after the colocated run of the same workload):
 
-    python benchmarks/generation_vllm.py --run-dir RUN --engine same --variants trl,nodetok,lean --out OUT.json
+    python benchmarks/generation_vllm.py --run-dir RUN --engine same --variants trl,detok,lean --out OUT.json
 
 - Engine arguments: `ColocatedEngine.llm_kwargs()` of colocate_rl/rank/vllm_engine.py, on an engine built from the run
   directory's `launch.json` (its `EngineOptions` and TRL arguments) exactly as TRL's trainer builds it, with vLLM's
@@ -49,7 +49,8 @@ GC_ENV = "COLOCATE_BENCH_GC"  # "off": garbage collector off during the ranks' l
 NOT_FOR_GENERATION = ("deepspeed", "bf16", "fp16")
 
 VARIANTS = {  # name → (what it changes in TRL's request, SamplingParams changes)
-    "trl": ("TRL's SamplingParams, n=1 for each of the num_generations copies", {}),
+    "trl": ("the run's SamplingParams (TRL's, detokenize=False from colocate-rl), n=1 for each of the copies", {}),
+    "detok": ("+ detokenize=True (TRL's own engine: vLLM also builds the text)", {"detokenize": True}),
     "nodetok": ("+ detokenize=False (TRL reads only token ids and logprobs)", {"detokenize": False}),
     "nologprobs": ("logprobs=None", {"logprobs": None}),
     "lean": ("logprobs=None, detokenize=False", {"logprobs": None, "detokenize": False}),

@@ -87,7 +87,7 @@ def test_dry_run_prints_each_workloads_commands_and_runs_nothing(tmp_path, model
         sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
         assert sets[: len(bench.WORKLOADS[name][2])] == bench.WORKLOADS[name][2]
         assert "trainer.max_steps=12" in sets and "output.save_model=false" in sets
-        for line, stage, variants in ((same, "same", "trl,nodetok,lean"), (mp, "mp", "trl,lean")):
+        for line, stage, variants in ((same, "same", "trl,detok,lean"), (mp, "mp", "trl,lean")):
             assert line.startswith("CUDA_VISIBLE_DEVICES=0 ")  # standalone: one GPU
             argv = shlex.split(line.split(" ", 1)[1])
             assert argv[1] == "benchmarks/generation_vllm.py"
@@ -163,7 +163,15 @@ def test_standalone_engine_arguments_come_from_the_run_dir(name, expected, max_t
     assert spec["model_path"] == (str(model) if name == "c256" else str(run_dir / "model"))
     sampling = G.sampling_kwargs(G.build_engine(run_dir))
     assert sampling == dict(
-        n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=max_tokens, logprobs=0
+        n=1,
+        repetition_penalty=1.0,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        max_tokens=max_tokens,
+        logprobs=0,
+        detokenize=False,  # colocate-rl's engine: TRL reads token ids only
     )
     assert bench.completions_per_rank(spec["trl_args"]) == expected["max_num_seqs"]
 
@@ -273,6 +281,7 @@ def test_variants_change_one_thing_each_and_groups_are_found():
     base = dict(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_tokens=8, logprobs=0)
     assert G.variant_sampling(base, "trl") == base
     assert G.variant_sampling(base, "nodetok") == {**base, "detokenize": False}
+    assert G.variant_sampling(base, "detok") == {**base, "detokenize": True}
     assert G.variant_sampling(base, "lean") == {**base, "logprobs": None, "detokenize": False}
     assert G.variant_sampling(base, "flat") == {**base, "detokenize": False, "flat_logprobs": True}
     with pytest.raises(SystemExit, match="stop strings"):

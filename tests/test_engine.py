@@ -208,6 +208,16 @@ def test_llm_kwargs_carry_the_recipe_options(monkeypatch):
     )
 
 
+def test_sampling_turns_detokenization_off_unless_asked_or_needed_for_stop_strings():
+    """TRL's colocated path reads token ids only, so vLLM need not build the text; a recipe's own `detokenize` and
+    stop strings (which vLLM refuses without detokenization) keep it on."""
+    assert E.sampling_kwargs({}) == {"detokenize": False}
+    assert E.sampling_kwargs({"top_k": 5}) == {"detokenize": False, "top_k": 5}
+    assert E.sampling_kwargs({"detokenize": True}) == {"detokenize": True}
+    assert E.sampling_kwargs({"stop": ["\n\n"]}) == {"stop": ["\n\n"]}
+    assert E.sampling_kwargs({"stop": [], "seed": 1}) == {"detokenize": False, "stop": [], "seed": 1}
+
+
 # ---------------------------------------------------------------------------------------------- the cycle
 
 CYCLE_LEVEL2 = [

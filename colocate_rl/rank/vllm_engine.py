@@ -99,6 +99,13 @@ def compare_weights(pushed: dict[str, torch.Tensor], engine_params: dict[str, to
     return problems
 
 
+def sampling_kwargs(user: dict[str, Any]) -> dict[str, Any]:
+    """The SamplingParams the recipe's `generation_kwargs` ask for, with vLLM's detokenization off: TRL's colocated
+    path reads only token ids and decodes them itself. Kept on when the recipe asks for it or for stop strings
+    (vLLM refuses `stop` without it)."""
+    return dict(user) if user.get("stop") else {"detokenize": False, **user}
+
+
 class ColocatedEngine(VLLMGeneration):
     """TRL's colocated generation backend with colocate-rl's engine options, sleep levels, bucketed weight push,
     trainer offload and weight check. Server mode falls through to TRL unchanged."""
@@ -114,6 +121,8 @@ class ColocatedEngine(VLLMGeneration):
         # TRL's own wake/sleep calls stay off: this class sleeps and wakes the engine itself.
         kwargs["enable_sleep_mode"] = False
         super().__init__(*args, **kwargs)
+        if self.mode == "colocate":
+            self.generation_kwargs = sampling_kwargs(self.generation_kwargs)
 
     def _reset_cycle_state(self) -> None:
         """The cycle's own state before vLLM starts: awake, weights valid, nothing offloaded or checked."""
