@@ -3,6 +3,7 @@ from `model.lora`, the merged weights vLLM gets (`AdapterMerge`), the weight che
 model's dtype (`cast_saved_weights`), and `model.lora.target_modules` checked before launch."""
 
 import contextlib
+import json
 import os
 
 import pytest
@@ -201,6 +202,46 @@ def test_cast_saved_weights_to_the_training_dtype(tmp_path):
     assert (
         cast_saved_weights(tmp_path, "bfloat16") == [] and (tmp_path / "model.safetensors").stat().st_mtime_ns == mtime
     )
+
+
+@pytest.mark.parametrize("shard", ["50GB", "100KB"])
+def test_tied_weights_cloned_by_deepspeed_are_saved_once(tmp_path, shard):
+    """Under DeepSpeed ZeRO-1/2 the trainer saves a cloned state dict (accelerate's get_state_dict calls DeepSpeed's
+    clone_tensors_for_torch_save), so transformers can no longer see that lm_head is the embedding and writes both
+    (SmolLM2-135M's final/ measured 314 MiB for 257 MiB of weights). The copy is dropped; the model loads back tied,
+    with the same logits; a sharded model's index follows."""
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+    model = tiny(torch.float32)
+    assert model.all_tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
+    model.save_pretrained(tmp_path, state_dict=clone_tensors_for_torch_save(model.state_dict()), max_shard_size=shard)
+    files = sorted(p.name for p in tmp_path.glob("model*.safetensors"))
+    assert len(files) == (1 if shard == "50GB" else 6)
+    stored = lambda: {k for name in files for k in load_file(tmp_path / name)}  # noqa: E731
+    assert "lm_head.weight" in stored()  # what the trainer hands back
+    assert cast_saved_weights(tmp_path, "float32", model.all_tied_weights_keys)
+    assert "lm_head.weight" not in stored() and "model.embed_tokens.weight" in stored()
+    if len(files) > 1:
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"]) == stored()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert cast_saved_weights(tmp_path, "float32", model.all_tied_weights_keys) == []  # nothing left to do
+
+
+def test_an_untied_head_equal_to_nothing_is_kept(tmp_path):
+    """A head that is not tied (or differs from its source) is a weight of its own: kept."""
+    model = tiny(torch.float32)
+    model.save_pretrained(tmp_path, state_dict=clone_tensors(model.state_dict(), head=lambda t: t + 1))
+    assert cast_saved_weights(tmp_path, "float32", model.all_tied_weights_keys) == []
+    assert "lm_head.weight" in load_file(tmp_path / "model.safetensors")
+    assert cast_saved_weights(tmp_path, "float32", {}) == []
+
+
+def clone_tensors(state: dict, head) -> dict:
+    return {k: head(v.clone()) if k == "lm_head.weight" else v.clone() for k, v in state.items()}
 
 
 def test_cast_saved_weights_of_a_sharded_model_loads_back(tmp_path):
