@@ -2,7 +2,7 @@
 
     find_recipe → read YAML → paths made absolute (colocate_rl.recipe.paths) → layer node keys and overrides (defaults < recipe < Slurm < overrides and node flags)
     → parse (schema) → bind to the host (cross-field checks) → auto layout (zero_stage / gradient_checkpointing
-    auto) → auto sleep level (generation.sleep_level auto) → plan
+    auto) → auto sleep level (generation.sleep_level auto) → auto micro-batch (trainer.micro_batch_size auto) → plan
 
 Overrides travel as a mapping of dotted key → value (`colocate_rl.recipe.load.parse_sets` turns `--set` strings
 into one). Every step raises UserError with one line per problem; nothing here writes a file. Torch-free.
@@ -32,13 +32,16 @@ from colocate_rl.rundir import default_run_dir
 def resolve(recipe: Recipe, host: Host) -> Resolved:
     """Bind `recipe` to `host` and resolve the keys that are auto by the memory estimate: the layout (the fastest
     that fits, estimated with vLLM asleep), then `generation.sleep_level` for that layout (0 when trainer and vLLM
-    fit together, else 2; the resolved recipe holds the level, so the run directory's recipe.yaml does); raise one
-    UserError listing every problem."""
+    fit together, else 2), then `trainer.micro_batch_size` (the largest that fits at that level); the resolved recipe
+    holds what was chosen, so the run directory's recipe.yaml does. Raise one UserError listing every problem."""
     from colocate_rl.memory.autolayout import choose_layout, choose_sleep_level, with_sleep_level
+    from colocate_rl.memory.micro_batch import choose_micro_batch, with_micro_batch
 
     auto_sleep = recipe.generation.sleep_level == "auto"
     if auto_sleep:
         recipe = with_sleep_level(recipe, 2)
+    if isinstance(recipe.trainer.micro_batch_size, int):
+        recipe = with_micro_batch(recipe, recipe.trainer.micro_batch_size)
     resolved = bind_to_host(recipe, host)
     gpu_gib = min(g.memory_gib for g in host.gpus) if host.gpus else None
     dist, trainer = recipe.distributed, recipe.trainer
@@ -59,6 +62,9 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
     if auto_sleep:
         sleep = choose_sleep_level(resolved, gpu_gib)
         resolved = replace(resolved, recipe=with_sleep_level(resolved.recipe, sleep.level), sleep_choice=sleep)
+    if recipe.trainer.micro_batch_size == "auto":
+        micro = choose_micro_batch(resolved, gpu_gib)
+        resolved = replace(resolved, recipe=with_micro_batch(resolved.recipe, micro.size), micro_batch_choice=micro)
     return resolved
 
 

@@ -242,6 +242,7 @@ def _estimate(recipe, overrides, detected, gpus, gpu_memory, prompt_tokens, json
     )
     choice = rec.base.resolved.layout_choice  # zero_stage / gradient_checkpointing auto: what was chosen and why
     sleep = rec.base.resolved.sleep_choice  # generation.sleep_level auto
+    micro = rec.base.resolved.micro_batch_choice  # trainer.micro_batch_size auto
     if json_out:
         print(
             json.dumps(
@@ -249,6 +250,7 @@ def _estimate(recipe, overrides, detected, gpus, gpu_memory, prompt_tokens, json
                     **to_json(rec),
                     "layout_choice": choice.to_json() if choice is not None else None,
                     "sleep_choice": sleep.to_json() if sleep is not None else None,
+                    "micro_batch_choice": micro.to_json() if micro is not None else None,
                 }
             )
         )
@@ -266,8 +268,7 @@ def _estimate(recipe, overrides, detected, gpus, gpu_memory, prompt_tokens, json
         console.print(table)
         # planning for this machine (its GPUs, not --gpus N of another node): offload must fit its RAM
         ram = detected.ram_gib if detected.gpus and gpus is None else None
-        lines = recommendation_lines(rec, ram) + (choice.lines() if choice is not None else [])
-        for line in lines + ([sleep.line()] if sleep is not None else []):
+        for line in recommendation_lines(rec, ram) + rec.base.resolved.choice_lines():
             console.print(line, highlight=False, soft_wrap=True)
     if write is not None:
         if rec.final is None:
@@ -308,9 +309,11 @@ def _measure(
         f"a resolution of {resolution:g}, {steps} steps a trial; trials in {plan.probe_dir}",
         highlight=False,
     )
-    choice, sleep = plan.resolved.layout_choice, plan.resolved.sleep_choice
+    choice, sleep, micro = plan.resolved.layout_choice, plan.resolved.sleep_choice, plan.resolved.micro_batch_choice
     chose = ", ".join(
-        ([choice.chosen.label] if choice is not None else []) + ([f"sleep level {sleep.level}"] if sleep else [])
+        ([choice.chosen.label] if choice is not None else [])
+        + ([f"sleep level {sleep.level}"] if sleep else [])
+        + ([f"micro-batch {micro.size}"] if micro else [])
     )
     if plan.pinned:
         out.print(

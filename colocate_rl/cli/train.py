@@ -61,6 +61,7 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") 
     from colocate_rl.plan.deepspeed import ZeroLayout
 
     r = resolved.recipe
+    t = r.trainer
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
@@ -96,8 +97,13 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") 
         ),
         (
             "steps",
-            f"{r.trainer.max_steps} × {r.trainer.per_device_train_batch_size * resolved.world_size} "
-            f"completions ({r.trainer.num_generations} per prompt)",
+            f"{r.trainer.max_steps} × {t.per_device_train_batch_size * t.gradient_accumulation_steps * resolved.world_size} "
+            f"completions ({t.num_generations} per prompt)"
+            + (
+                f", micro-batches of {t.per_device_train_batch_size} × {t.gradient_accumulation_steps} per rank"
+                if t.gradient_accumulation_steps > 1
+                else ""
+            ),
         ),
     ]
     if r.eval.every_steps is not None:
@@ -164,11 +170,8 @@ def validate(
     flags = parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id)
     resolved, _ = _load(recipe, parse_sets(set_, set_str), gpus, gpu_memory, flags)
     console.print(summary_table(resolved))
-    if resolved.layout_choice is not None:
-        for line in resolved.layout_choice.lines():
-            console.print(line, highlight=False, soft_wrap=True)
-    if resolved.sleep_choice is not None:
-        console.print(resolved.sleep_choice.line(), highlight=False, soft_wrap=True)
+    for line in resolved.choice_lines():
+        console.print(line, highlight=False, soft_wrap=True)
     console.print("[green]recipe is valid[/]")
 
 
@@ -245,10 +248,8 @@ def train(
             print(f"# recipe hash: {plan.recipe_hash} (must be the same on every node)")
         if note:
             print(f"# note: {note}")
-        for line in resolved.layout_choice.lines() if resolved.layout_choice is not None else []:
+        for line in resolved.choice_lines():
             print(f"# {line}")
-        if resolved.sleep_choice is not None:
-            print(f"# {resolved.sleep_choice.line()}")
         if plan.resume_from is not None:
             print(f"# resumes from {plan.resume_from}")
         if resolved.recipe.output.push_to_hub is not None:

@@ -145,6 +145,8 @@ def plan_probe(
     pinned = choice.pinned_overrides(resolved.recipe.distributed.deepspeed) if choice is not None else {}
     if resolved.sleep_choice is not None:
         pinned["generation.sleep_level"] = resolved.sleep_choice.level
+    if resolved.micro_batch_choice is not None:
+        pinned["trainer.micro_batch_size"] = resolved.micro_batch_choice.size
     return ProbePlan(resolved, est, lower, upper, min(1.0, upper + SEARCH_ABOVE_ESTIMATE), pinned, probe_dir)
 
 

@@ -30,6 +30,7 @@ from colocate_rl.recipe.schema import Recipe
 if TYPE_CHECKING:
     from colocate_rl.data_check import DataSample
     from colocate_rl.memory.autolayout import LayoutChoice, SleepChoice
+    from colocate_rl.memory.micro_batch import MicroBatchChoice
 
 
 # Ranks per node on a machine without GPU: at most its CPU cores, but never fewer than a GPU node's ranks, so that a
@@ -53,6 +54,15 @@ class Resolved:
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing as resolved (auto → chosen)
     layout_choice: LayoutChoice | None = None  # what auto chose, when zero_stage or gradient_checkpointing is auto
     sleep_choice: SleepChoice | None = None  # what auto chose, when generation.sleep_level is auto (recipe holds it)
+    micro_batch_choice: MicroBatchChoice | None = None  # when trainer.micro_batch_size is auto (recipe holds it)
+
+    def choice_lines(self) -> list[str]:
+        """What each `auto` chose and why, one line each (the layout may take several)."""
+        return (
+            (self.layout_choice.lines() if self.layout_choice is not None else [])
+            + ([self.sleep_choice.line()] if self.sleep_choice is not None else [])
+            + ([self.micro_batch_choice.line()] if self.micro_batch_choice is not None else [])
+        )
 
     @property
     def world_size(self) -> int:

@@ -94,7 +94,8 @@ def format_errors(errors: list[dict]) -> list[str]:
             shown = "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list) else repr(value)
             text = " or ".join(m[0].lower() + m[1:] for m in msgs)
             if first["type"] == "value_error" and isinstance(value, dict):  # a section's own check: says it all
-                lines.append(f"{dotted}: {text}")
+                key, _, rest = text.partition(": ")  # "key: …" names the section's key it is about
+                lines.append(f"{dotted}.{key}: {rest}" if rest and key in _section_keys(path) else f"{dotted}: {text}")
                 continue
             lines.append(f"{dotted}: {text} (got {shown})")
     return lines

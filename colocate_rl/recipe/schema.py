@@ -162,6 +162,14 @@ class TrainerSection(_Section):
     learning_rate: PositiveFloat = Field(1e-6, description="Optimizer learning rate.")
     per_device_train_batch_size: Count = Field(8, description="Completions per rank per micro-batch.")
     gradient_accumulation_steps: Count = Field(1, description="Micro-batches per optimizer step.")
+    micro_batch_size: Count | Literal["auto"] | None = Field(
+        None,
+        description="Split each rank's per_device_train_batch_size × gradient_accumulation_steps completions of a "
+        "step into micro-batches of this size instead (it must divide them; the step and the generation batch stay "
+        "the same); auto = the largest that fits by the memory estimate, never smaller than "
+        "per_device_train_batch_size (as written without a GPU). The run directory's recipe.yaml holds the result "
+        "as per_device_train_batch_size and gradient_accumulation_steps.",
+    )
     num_generations: Annotated[int, Strict()] = Field(
         8, ge=2, description="Completions sampled per prompt (the group size)."
     )
@@ -183,6 +191,25 @@ class TrainerSection(_Section):
         default_factory=dict,
         description="Any other field of TRL's GRPOConfig/RLOOConfig, passed through (names checked).",
     )
+
+    @model_validator(mode="after")
+    def _micro_batch(self):
+        m, step = self.micro_batch_size, self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if m is None:
+            return self
+        fixed = [k for k in ("steps_per_generation", "generation_batch_size") if k in self.extra_args]
+        if fixed:
+            raise ValueError(
+                f"micro_batch_size: cannot be combined with extra_args.{fixed[0]}, which fixes the generation batch "
+                "by the micro-batch; drop one of them"
+            )
+        if m != "auto" and step % m:
+            raise ValueError(
+                f"micro_batch_size: {m} does not divide the {step} completions a rank trains on per step "
+                f"(per_device_train_batch_size {self.per_device_train_batch_size} × gradient_accumulation_steps "
+                f"{self.gradient_accumulation_steps}); pick a divisor of {step}"
+            )
+        return self
 
 
 class GenerationSection(_Section):

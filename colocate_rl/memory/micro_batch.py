@@ -1,0 +1,100 @@
+"""`trainer.micro_batch_size`: the completions of a rank's step split into fewer, larger micro-batches.
+
+A rank trains on `per_device_train_batch_size × gradient_accumulation_steps` completions per optimizer step, and
+TRL generates them in one batch (its steps per generation default to the accumulation steps). `with_micro_batch`
+keeps that product and moves it to a micro-batch of `m` and `product / m` accumulation steps: the same step, the
+same generation batch, fewer forward/backward passes.
+
+`auto` is decided last, after the layout and the sleep level (both chosen at the recipe's own micro-batch, which
+they therefore hold to): the largest divisor of the product, at least the recipe's micro-batch, whose estimated
+peak at the sleep level chosen stays within the GPU's memory less LAYOUT_HEADROOM. Without a GPU, or without an
+estimate, the recipe's micro-batch stays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from colocate_rl.errors import UserError
+from colocate_rl.memory.autolayout import LAYOUT_HEADROOM
+
+if TYPE_CHECKING:
+    from colocate_rl.plan.resolve import Resolved
+    from colocate_rl.recipe.schema import Recipe
+
+
+@dataclass(frozen=True)
+class MicroBatchChoice:
+    """What `trainer.micro_batch_size: auto` chose and why; the estimated peak at that size and the limit it was held
+    to (None when nothing was estimated)."""
+
+    size: int
+    steps: int  # gradient accumulation steps at that size
+    reason: str
+    peak_gib: float | None = None
+    limit_gib: float | None = None
+
+    def line(self) -> str:
+        return (
+            f"trainer.micro_batch_size auto: {self.size} (× {self.steps} accumulation step"
+            f"{'s' if self.steps > 1 else ''}) — {self.reason}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        rounded = [None if x is None else round(x, 3) for x in (self.peak_gib, self.limit_gib)]
+        return {
+            "size": self.size,
+            "gradient_accumulation_steps": self.steps,
+            "reason": self.reason,
+            "peak_gib": rounded[0],
+            "limit_gib": rounded[1],
+        }
+
+
+def step_completions(recipe: Recipe) -> int:
+    """Completions one rank trains on per optimizer step."""
+    t = recipe.trainer
+    return t.per_device_train_batch_size * t.gradient_accumulation_steps
+
+
+def with_micro_batch(recipe: Recipe, size: int) -> Recipe:
+    """A copy of `recipe` whose step is split into micro-batches of `size` (a divisor of the step's completions),
+    written as per_device_train_batch_size and gradient_accumulation_steps; micro_batch_size is then consumed."""
+    update = {
+        "per_device_train_batch_size": size,
+        "gradient_accumulation_steps": step_completions(recipe) // size,
+        "micro_batch_size": None,
+    }
+    return recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update=update)})
+
+
+def choose_micro_batch(resolved: Resolved, gpu_gib: float | None) -> MicroBatchChoice:
+    """`trainer.micro_batch_size: auto` for `resolved` (layout and sleep level chosen or given): see the module
+    docstring."""
+    from colocate_rl.memory.estimate import estimate
+
+    recipe = resolved.recipe
+    written, total = recipe.trainer.per_device_train_batch_size, step_completions(recipe)
+    sizes = [m for m in range(total, written - 1, -1) if total % m == 0]
+    if gpu_gib is None:
+        return MicroBatchChoice(written, total // written, "no GPU here, so no memory to size it against: as written")
+    limit = gpu_gib * (1 - LAYOUT_HEADROOM)
+    margin = f"{gpu_gib:.1f} GiB less {LAYOUT_HEADROOM:.0%} margin"
+    for size in sizes:
+        try:
+            phase, peak = estimate(dataclasses.replace(resolved, recipe=with_micro_batch(recipe, size)), gpu_gib).peak()
+        except UserError as err:  # unknown layout: no estimate possible
+            reason = f"no estimate ({err.lines[0]}), so as written; set trainer.micro_batch_size to override"
+            return MicroBatchChoice(written, total // written, reason)
+        if peak <= limit:
+            which = (
+                f"the step's {total} completions fit in one micro-batch"
+                if size == total
+                else f"the largest divisor of the step's {total} completions that fits"
+            )
+            reason = f"{which} (peak {peak:.2f} ≤ {limit:.1f} GiB, {margin})"
+            return MicroBatchChoice(size, total // size, reason, peak, limit)
+    reason = f"no larger one fits (at {written} the peak is {peak:.2f} GiB ({phase}) > {limit:.1f} GiB, {margin})"
+    return MicroBatchChoice(written, total // written, reason, peak, limit)

@@ -1,0 +1,155 @@
+"""`trainer.micro_batch_size`: a rank's step split into fewer, larger micro-batches; `auto` from the estimate.
+
+The step (per_device_train_batch_size × gradient_accumulation_steps completions per rank) and the generation batch
+stay; what TRL gets as per_device_train_batch_size / gradient_accumulation_steps changes, and the run directory's
+recipe.yaml holds it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CPU, H200_GIB, QWEN05, write_recipe
+from conftest import resolved as resolved_for
+from typer.testing import CliRunner
+
+from colocate_rl.cli import app
+from colocate_rl.errors import UserError
+from colocate_rl.memory import micro_batch as M
+from colocate_rl.memory.autolayout import LAYOUT_HEADROOM
+from colocate_rl.memory.estimate import estimate
+from colocate_rl.plan.host import assumed_host
+from colocate_rl.plan.launch_plan import make_plan
+from colocate_rl.recipe.load import parse_recipe
+
+# QWEN05 with a step of 64 completions per rank in micro-batches of 8 (8 accumulation steps)
+STEP64 = ("trainer.per_device_train_batch_size=8", "trainer.gradient_accumulation_steps=8")
+AUTO = "trainer.micro_batch_size=auto"
+
+
+def resolved(gib: float, *sets: str):
+    return resolved_for(QWEN05, assumed_host(1, gib), *STEP64, *sets)
+
+
+def plan_files(r, run_dir: Path) -> dict[str, str]:
+    return make_plan(
+        r, run_dir=run_dir, python="python", cwd=run_dir.parent, cache_dir=run_dir.parent, base_env={}
+    ).files
+
+
+def peak_at(gib: float, size: int) -> float:
+    """The estimated peak of the STEP64 recipe split into micro-batches of `size`, as auto sees it."""
+    r = resolved(gib, AUTO)  # the layout and sleep level auto settles on, at the recipe's micro-batch
+    return estimate(replace(r, recipe=M.with_micro_batch(resolved(gib).recipe, size)), gib).peak()[1]
+
+
+def test_an_explicit_size_moves_the_step_into_larger_micro_batches(tmp_path):
+    r = resolved(H200_GIB, "trainer.micro_batch_size=32")
+    t = r.recipe.trainer
+    assert (t.per_device_train_batch_size, t.gradient_accumulation_steps, t.micro_batch_size) == (32, 2, None)
+    assert r.micro_batch_choice is None  # nothing was chosen
+    files = plan_files(r, tmp_path / "run")
+    trl = json.loads(files["launch.json"])["trl_args"]
+    assert (trl["per_device_train_batch_size"], trl["gradient_accumulation_steps"]) == (32, 2)
+    assert "steps_per_generation" not in trl  # TRL's default (the accumulation steps): one generation of 64 per step
+    written = yaml.safe_load(files["recipe.yaml"])["trainer"]
+    assert (written["per_device_train_batch_size"], written["gradient_accumulation_steps"]) == (32, 2)
+    assert written.get("micro_batch_size") is None  # a resume re-plans nothing
+
+
+def test_auto_takes_the_largest_divisor_that_fits():
+    """On an H200 the whole step of 64 fits in one micro-batch; on a smaller GPU the largest divisor whose peak stays
+    within the GPU less the margin, checked against the estimate of the next larger one."""
+    big = resolved(H200_GIB, AUTO)
+    assert big.micro_batch_choice.size == 64 and big.recipe.trainer.gradient_accumulation_steps == 1
+    assert big.micro_batch_choice.peak_gib == pytest.approx(peak_at(H200_GIB, 64))
+    for gib in (20.0, 24.0, 40.0, 64.0):
+        choice = resolved(gib, AUTO).micro_batch_choice
+        limit = gib * (1 - LAYOUT_HEADROOM)
+        assert choice.limit_gib == pytest.approx(limit)
+        assert choice.size in (8, 16, 32, 64) and choice.steps * choice.size == 64
+        assert choice.peak_gib == pytest.approx(peak_at(gib, choice.size)) and choice.peak_gib <= limit
+        larger = [m for m in (16, 32, 64) if m > choice.size]
+        assert all(peak_at(gib, m) > limit for m in larger), (gib, choice)
+    sizes = {resolved(gib, AUTO).micro_batch_choice.size for gib in (20.0, 24.0, 40.0, H200_GIB)}
+    assert sizes == {8, 16, 32, 64}  # the GPU sizes above lead to every choice
+
+
+def test_auto_never_goes_below_the_recipe_and_says_why():
+    tight = resolved(12.0, AUTO)
+    choice = tight.micro_batch_choice
+    assert choice.size == 8 and tight.recipe.trainer.per_device_train_batch_size == 8
+    assert choice.reason.startswith("no larger one fits (at 8 the peak is ")
+
+
+def test_auto_without_a_gpu_keeps_the_recipe():
+    r = resolved_for(QWEN05, CPU, *STEP64, AUTO)
+    assert r.micro_batch_choice.size == 8 and r.recipe.trainer.gradient_accumulation_steps == 8
+    assert "no GPU here" in r.micro_batch_choice.reason
+
+
+def test_auto_holds_to_the_sleep_level_chosen_at_the_recipes_micro_batch():
+    """Sleep auto is decided first, at the recipe's micro-batch: a larger micro-batch never turns it to 2."""
+    for gib in (40.0, 64.0, H200_GIB):
+        without = resolved(gib, "generation.sleep_level=auto")
+        with_auto = resolved(gib, "generation.sleep_level=auto", AUTO)
+        assert with_auto.recipe.generation.sleep_level == without.recipe.generation.sleep_level
+        assert with_auto.micro_batch_choice.peak_gib <= gib * (1 - LAYOUT_HEADROOM)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["trainer.micro_batch_size=3"], "trainer.micro_batch_size: 3 does not divide the 16 completions"),
+        (["trainer.micro_batch_size=0"], "trainer.micro_batch_size: input should be greater than 0"),
+        (
+            ["trainer.micro_batch_size=auto", "trainer.extra_args={steps_per_generation: 2}"],
+            "trainer.micro_batch_size: cannot be combined with extra_args.steps_per_generation",
+        ),
+        (
+            ["trainer.micro_batch_size=8", "trainer.extra_args={generation_batch_size: 64}"],
+            "trainer.micro_batch_size: cannot be combined with extra_args.generation_batch_size",
+        ),
+    ],
+)
+def test_bad_sizes_are_refused_with_the_key(sets, message):
+    from colocate_rl.recipe.load import apply_overrides, parse_sets
+
+    with pytest.raises(UserError) as err:
+        parse_recipe(apply_overrides(QWEN05, parse_sets(sets)))
+    [line] = err.value.lines
+    assert line.startswith(message), line
+
+
+def test_validate_dry_run_and_mem_probe_print_the_choice(tmp_path):
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        {
+            **QWEN05,
+            "trainer": {**QWEN05["trainer"], "per_device_train_batch_size": 8, "gradient_accumulation_steps": 8},
+        },
+    )
+    runner, on_h200 = CliRunner(), ["--gpus", "1", "--gpu-memory", str(H200_GIB), "--set", AUTO]
+    valid = runner.invoke(app, ["validate", str(recipe), *on_h200], env={"COLUMNS": "200"})
+    assert valid.exit_code == 0, valid.output
+    assert "trainer.micro_batch_size auto: 64 (× 1 accumulation step) — the step's 64 completions fit" in valid.stdout
+    assert "100 × 64 completions (8 per prompt)" in valid.stdout
+    dry = runner.invoke(app, ["train", str(recipe), "--dry-run", "--run-dir", str(tmp_path / "run"), *on_h200])
+    assert dry.exit_code == 0, dry.output
+    assert "# trainer.micro_batch_size auto: 64" in dry.stdout and not (tmp_path / "run").exists()
+    data = json.loads(runner.invoke(app, ["mem-probe", str(recipe), "--estimate", "--json", *on_h200]).stdout)
+    assert data["micro_batch_choice"]["size"] == 64 and data["micro_batch_choice"]["gradient_accumulation_steps"] == 1
+    plain = runner.invoke(app, ["validate", str(recipe), "--gpus", "1"], env={"COLUMNS": "200"})
+    assert "micro_batch_size auto" not in plain.stdout
+    assert "100 × 64 completions (8 per prompt), micro-batches of 8 × 8 per rank" in plain.stdout
+
+
+def test_the_measuring_probe_pins_the_size():
+    from colocate_rl.memory import probe as P
+
+    r = resolved(H200_GIB, AUTO)
+    plan = P.plan_probe(r, H200_GIB, Path("/nonexistent/probe"))
+    assert plan.pinned["trainer.micro_batch_size"] == 64
