@@ -479,7 +479,8 @@ def table(results: list[dict]) -> str:
             "",
             "Runs that share a GPU slow each other: s/step and weight sync are not what a run alone takes, and the GPU "
             "peak is NVML's count for the whole GPU, so it includes the other runs on it (and each run's vLLM share "
-            "was cut to fit them). For a run alone on its GPU see the `--timing` table.",
+            "was cut to fit them); vLLM awake is the drop in the GPU's free memory across the engine's start-up, "
+            "which runs starting beside it inflate. For a run alone on its GPU see the `--timing` table.",
             "",
         ]
         lines += md(TIMING_HEAD, timing_rows(matrix))
