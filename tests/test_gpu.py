@@ -230,6 +230,30 @@ def test_sleep_level_auto_runs_the_level_the_plan_chose(tmp_path):
     print(json.dumps({"line": line, "asleep_gib": memory["asleep_gib"]}))
 
 
+def test_micro_batch_auto_runs_the_size_the_plan_chose(tmp_path):
+    """`trainer.micro_batch_size: auto` on the 0.5B layout (one GPU), a step of 8 × 4 completions: `validate` names
+    the size, TRL trains with it (launch.json), the run finishes with the step's completions unchanged."""
+    recipe = "recipes/gpu-0.5b-layout.yaml"
+    sets = (
+        "trainer.per_device_train_batch_size=8",
+        "trainer.gradient_accumulation_steps=4",
+        "trainer.micro_batch_size=auto",
+        "generation.enforce_eager=true",
+    )
+    planned = cli(["validate", recipe, *(x for s in sets for x in ("--set", s))], ONE)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    [line] = [x for x in planned.stdout.splitlines() if x.startswith("trainer.micro_batch_size auto: ")]
+    size = int(line.split(": ", 1)[1].split()[0])
+    assert size in (8, 16, 32)
+    run = tmp_path / "micro"
+    code, text = run_cli(run, ONE, recipe, 3, *sets)
+    assert code == 0, text[-6000:]
+    trl = json.loads((run / "launch.json").read_text())["trl_args"]
+    assert (trl["per_device_train_batch_size"], trl["gradient_accumulation_steps"]) == (size, 32 // size)
+    assert len(step_records(run)) == 3 and (run / "DONE").exists()
+    print(json.dumps({"line": line, "s_per_step": [r.get("time/step_s") for r in step_records(run)]}))
+
+
 STALE_REWARD = """
 import colocate_rl.rank.vllm_engine as E
 
