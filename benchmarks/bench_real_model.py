@@ -75,17 +75,20 @@ ENV = {"HF_HUB_OFFLINE": "1"}  # model and data are local; no hub look-ups (the 
 # ---------------------------------------------------------------------------------------------- commands
 
 
+def user_recipe(user_sets: list[str]):
+    """The rows' recipe with the user's --set applied (schema defaults filled in)."""
+    return parse_recipe(apply_overrides(read_yaml(ROOT / RECIPE), parse_sets(user_sets)))
+
+
 def recipe_share(user_sets: list[str]) -> float:
     """The recipe's vLLM share (schema default when it has none), with the user's --set applied."""
-    data = apply_overrides(read_yaml(ROOT / RECIPE), parse_sets(user_sets))
-    return parse_recipe(data).generation.vllm_gpu_memory_utilization
+    return user_recipe(user_sets).generation.vllm_gpu_memory_utilization
 
 
 def fixed_kv_pool(user_sets: list[str]) -> bool:
     """The user's --set gives vLLM a fixed KV pool (generation.kv_cache_memory): its start-up then sizes nothing from
     the GPU's free memory, so runs on one GPU may start together."""
-    data = apply_overrides(read_yaml(ROOT / RECIPE), parse_sets(user_sets))
-    return parse_recipe(data).generation.kv_cache_memory is not None
+    return user_recipe(user_sets).generation.kv_cache_memory is not None
 
 
 def vllm_share(per_gpu: int, budget: float, user_sets: list[str]) -> tuple[float, str | None]:

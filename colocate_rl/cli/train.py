@@ -97,7 +97,7 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") 
         ),
         (
             "steps",
-            f"{r.trainer.max_steps} × {t.per_device_train_batch_size * t.gradient_accumulation_steps * resolved.world_size} "
+            f"{t.max_steps} × {t.step_completions * resolved.world_size} "
             f"completions ({t.num_generations} per prompt)"
             + (
                 f", micro-batches of {t.per_device_train_batch_size} × {t.gradient_accumulation_steps} per rank"

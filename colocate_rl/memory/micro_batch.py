@@ -53,18 +53,12 @@ class MicroBatchChoice:
         }
 
 
-def step_completions(recipe: Recipe) -> int:
-    """Completions one rank trains on per optimizer step."""
-    t = recipe.trainer
-    return t.per_device_train_batch_size * t.gradient_accumulation_steps
-
-
 def with_micro_batch(recipe: Recipe, size: int) -> Recipe:
     """A copy of `recipe` whose step is split into micro-batches of `size` (a divisor of the step's completions),
     written as per_device_train_batch_size and gradient_accumulation_steps; micro_batch_size is then consumed."""
     update = {
         "per_device_train_batch_size": size,
-        "gradient_accumulation_steps": step_completions(recipe) // size,
+        "gradient_accumulation_steps": recipe.trainer.step_completions // size,
         "micro_batch_size": None,
     }
     return recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update=update)})
@@ -76,7 +70,7 @@ def choose_micro_batch(resolved: Resolved, gpu_gib: float | None) -> MicroBatchC
     from colocate_rl.memory.estimate import estimate
 
     recipe = resolved.recipe
-    written, total = recipe.trainer.per_device_train_batch_size, step_completions(recipe)
+    written, total = recipe.trainer.per_device_train_batch_size, recipe.trainer.step_completions
     sizes = [m for m in range(total, written - 1, -1) if total % m == 0]
     if gpu_gib is None:
         return MicroBatchChoice(written, total // written, "no GPU here, so no memory to size it against: as written")

@@ -192,9 +192,14 @@ class TrainerSection(_Section):
         description="Any other field of TRL's GRPOConfig/RLOOConfig, passed through (names checked).",
     )
 
+    @property
+    def step_completions(self) -> int:
+        """Completions one rank trains on per optimizer step."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
     @model_validator(mode="after")
     def _micro_batch(self):
-        m, step = self.micro_batch_size, self.per_device_train_batch_size * self.gradient_accumulation_steps
+        m, step = self.micro_batch_size, self.step_completions
         if m is None:
             return self
         fixed = [k for k in ("steps_per_generation", "generation_batch_size") if k in self.extra_args]
