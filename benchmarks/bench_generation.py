@@ -43,7 +43,8 @@ STANDALONE = ROOT / "benchmarks" / "generation_vllm.py"
 STEPS, WARMUP = 12, 2  # 10 measured steps
 STAGES = ("colocated", "same", "mp")
 SAME_VARIANTS, MP_VARIANTS = "trl,detok,lean", "trl,lean"
-PLAIN = ["distributed.deepspeed=null", "distributed.zero_stage=null"]  # 1 GPU: no DeepSpeed, as bench_engine.py
+# 1 GPU: no DeepSpeed, as bench_engine.py; the layout recipe's sleep level 2 back to colocate-rl's default (auto)
+PLAIN = ["distributed.deepspeed=null", "distributed.zero_stage=null", "generation.sleep_level=auto"]
 WORKLOADS = {  # name: (GPUs, recipe, --set overrides); completions per rank = per_device_train_batch_size × GA
     "a16": (1, "recipes/gpu-0.5b-layout.yaml", PLAIN + ["distributed.nproc_per_node=1"]),
     "a128": (
@@ -211,9 +212,27 @@ def colocated_figures(path: Path, warmup: int) -> dict:
             gc_tracked_objects=calls[0].get("gc_tracked_objects"),
             sampling=timed[0].get("sampling"),
         )
+    fig.update(step_figures(measured))
     if engine is not None:
         fig["config"] = engine.get("config")
         fig["gc_off"] = engine.get("gc_off")
+    return fig
+
+
+STEP_KEYS = ("time/train_s", "time/weight_sync_s", "time/wake_s", "time/sleep_s", "time/optimizer_s")
+
+
+def step_figures(measured: list[dict]) -> dict:
+    """The whole step over the measured steps: s/step (median of the wall_s differences, so the first measured step
+    only opens the first difference), its phases (medians) and the GPU peak (max, NVML)."""
+    walls = [r["wall_s"] for r in measured if "wall_s" in r]
+    fig: dict = {"s_per_step": _median([b - a for a, b in zip(walls, walls[1:])])}
+    for key in STEP_KEYS:
+        fig[key.split("/")[1]] = _median([r[key] for r in measured if r.get(key) is not None])
+    if fig["wake_s"] is not None or fig["sleep_s"] is not None:
+        fig["wake_sleep_s"] = round((fig["wake_s"] or 0) + (fig["sleep_s"] or 0), 4)
+    peaks = [r["mem/gpu_peak_gib"] for r in measured if r.get("mem/gpu_peak_gib") is not None]
+    fig["gpu_peak_gib"] = max(peaks) if peaks else None
     return fig
 
 
@@ -267,6 +286,11 @@ def _get(row: dict, key: str):
 TABLE_COLUMNS = [
     ("workload", "workload"),
     ("completions/rank", "colocated.requests"),
+    ("s/step", "colocated.s_per_step"),
+    ("train s", "colocated.train_s"),
+    ("weight sync s", "colocated.weight_sync_s"),
+    ("wake+sleep s", "colocated.wake_sleep_s"),
+    ("GPU peak GiB", "colocated.gpu_peak_gib"),
     ("colocated s/batch", "colocated.s_per_batch"),
     ("colocated tok/s", "colocated.tokens_per_s"),
     ("of which in LLM.generate s", "colocated.llm_generate_s"),

@@ -145,8 +145,8 @@ COMMON = dict(  # what every workload's rank 0 passes to vllm.LLM besides the pe
 @pytest.mark.parametrize(
     "name, expected, max_tokens",
     [
-        ("a16", dict(gpu_memory_utilization=0.25, max_model_len=512, max_num_seqs=16, enable_sleep_mode=True), 256),
-        ("a128", dict(gpu_memory_utilization=0.25, max_model_len=512, max_num_seqs=128, enable_sleep_mode=True), 256),
+        ("a16", dict(gpu_memory_utilization=0.25, max_model_len=512, max_num_seqs=16), 256),
+        ("a128", dict(gpu_memory_utilization=0.25, max_model_len=512, max_num_seqs=128), 256),
         ("b256", dict(gpu_memory_utilization=0.25, max_model_len=768, max_num_seqs=128, enable_sleep_mode=True), 512),
         ("c256", dict(gpu_memory_utilization=0.3, max_model_len=768, max_num_seqs=256), 256),
     ],
@@ -157,7 +157,7 @@ def test_standalone_engine_arguments_come_from_the_run_dir(name, expected, max_t
     plan_run_dir(name, run_dir, args_for("model", str(model), "data", str(data)))
     kwargs = G.engine_kwargs(run_dir)
     spec = json.loads((run_dir / "launch.json").read_text())
-    if name == "c256":  # sleep_level auto, decided by the plan: recipe.yaml holds the level
+    if name != "b256":  # sleep_level auto, decided by the plan (here without a GPU: 2): launch.json holds the level
         expected["enable_sleep_mode"] = spec["engine"]["sleep_level"] > 0
     assert kwargs == dict(model=spec["model_path"], **COMMON, **expected)
     assert spec["model_path"] == (str(model) if name == "c256" else str(run_dir / "model"))
@@ -344,8 +344,9 @@ def write_hand_made_results(out: Path, name: str) -> None:
     run = out / "runs" / name
     (run / "bench").mkdir(parents=True)
     steps = [
-        {"step": i + 1, "reward": 0.1, "time/generate_s": s, "completions/mean_length": 50.0}
-        for i, s in enumerate((9.0, 2.0, 2.0))
+        {"step": i + 1, "reward": 0.1, "time/generate_s": s, "completions/mean_length": 50.0, "wall_s": wall}
+        | {"time/train_s": train, "time/wake_s": 0.05, "time/sleep_s": 0.02, "mem/gpu_peak_gib": peak}
+        for i, (s, wall, train, peak) in enumerate(((9.0, 10.0, 5.0, 30.0), (2.0, 13.0, 1.0, 10.0), (2.0, 16.5, 1.2, 12.0)))
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     sampling = {"n": 1, "logprobs": 0}
@@ -389,6 +390,9 @@ def test_ratio_and_table_from_hand_written_result_files(tmp_path):
     c = row["colocated"]
     assert (c["measured"], c["s_per_batch"], c["tokens_per_s"], c["tokens_from"]) == (2, 2.0, 50.0, "probe")
     assert (c["llm_generate_s"], c["extract_s"], c["gc_s"], c["requests"]) == (1.5, 0.25, 0.01, 2)
+    # the whole step over the measured steps only: the warm-up's 5 s train phase and 30 GiB peak are left out
+    assert (c["s_per_step"], c["train_s"], c["wake_sleep_s"], c["gpu_peak_gib"]) == (3.5, 1.1, 0.07, 12.0)
+    assert c["weight_sync_s"] is None
     trl = row["same"]["variants"]["trl"]
     assert (trl["s_per_batch"], trl["tokens_per_s"], trl["post_s"]) == (1.0, 100.0, 0.2)
     assert row["same"]["variants"]["lean"]["tokens_per_s"] == 200.0
@@ -413,7 +417,7 @@ def test_table_option_rewrites_table_md_from_results(tmp_path):
     row = bench.figures("a128", tmp_path, 1, {"colocated": 0}, [])
     (tmp_path / "results.jsonl").write_text(json.dumps(row) + "\n")
     assert bench.main(["--out", str(tmp_path), "--table"]) == 0
-    assert "| a128 | 2 | 2.0 | 50.0 |" in (tmp_path / "table.md").read_text()
+    assert "| a128 | 2 | 3.5 | 1.1 |  | 0.07 | 12.0 | 2.0 | 50.0 |" in (tmp_path / "table.md").read_text()
 
 
 def test_launch_env_is_what_launch_sh_exports(tmp_path):
