@@ -346,7 +346,9 @@ def write_hand_made_results(out: Path, name: str) -> None:
     steps = [
         {"step": i + 1, "reward": 0.1, "time/generate_s": s, "completions/mean_length": 50.0, "wall_s": wall}
         | {"time/train_s": train, "time/wake_s": 0.05, "time/sleep_s": 0.02, "mem/gpu_peak_gib": peak}
-        for i, (s, wall, train, peak) in enumerate(((9.0, 10.0, 5.0, 30.0), (2.0, 13.0, 1.0, 10.0), (2.0, 16.5, 1.2, 12.0)))
+        for i, (s, wall, train, peak) in enumerate(
+            ((9.0, 10.0, 5.0, 30.0), (2.0, 13.0, 1.0, 10.0), (2.0, 16.5, 1.2, 12.0))
+        )
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     sampling = {"n": 1, "logprobs": 0}
