@@ -286,6 +286,9 @@ def figures(run_dir: Path, code: int, log: Path | None = None) -> dict:
     if steps:
         row["reward_first5"] = round(statistics.mean(r["reward"] for r in steps[:5]), 4)
         row["reward_last5"] = round(statistics.mean(r["reward"] for r in steps[-5:]), 4)
+        row["reward_mean"] = round(
+            statistics.mean(r["reward"] for r in steps), 4
+        )  # every step: the learning curve's area
     if len(steps) >= 2:
         diffs = [b["wall_s"] - a["wall_s"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
         row["s_per_step"] = round(statistics.median(diffs), 4) if diffs else None
@@ -443,7 +446,7 @@ def table(results: list[dict]) -> str:
         for name, runs in configs.items():
             done = [r for r in runs if ok(r) and r.get("eval_first") is not None]
             if not done:
-                body.append([name, f"0 of {len(runs)}", "", "", "", "", ""])
+                body.append([name, f"0 of {len(runs)}", "", "", "", "", "", ""])
                 continue
             deltas = [r["eval_last"] - r["eval_first"] for r in done]
             trained = [r for r in done if r.get("reward_first5") is not None]
@@ -461,6 +464,7 @@ def table(results: list[dict]) -> str:
                         if trained
                         else ""
                     ),
+                    spread([r["reward_mean"] for r in done if r.get("reward_mean") is not None]),
                 ]
             )
         lines += md(
@@ -472,6 +476,7 @@ def table(results: list[dict]) -> str:
                 "eval last − first",
                 "eval rose in",
                 "train reward first 5 → last 5",
+                "train reward, mean of every step",
             ],
             body,
         )

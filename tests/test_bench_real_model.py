@@ -396,6 +396,7 @@ def test_figures_of_a_run_from_its_metrics(tmp_path):
     assert f["eval_last_by_reward"] == {"math_verify": 0.05, "hash_answer_format": 0.5}
     assert f["eval_last_completion_length"] == 150.0
     assert f["reward_first5"] == pytest.approx(0.05) and f["reward_last5"] == pytest.approx(0.28)
+    assert f["reward_mean"] == pytest.approx(sum(rewards) / 11, abs=1e-4)
     assert f["steps"] == 11 and f["s_per_step"] == 1.5  # median of the wall_s differences after step 1
     assert f["weight_sync_s"] == 0.05 and f["step_s"] == 1.4 and f["gpu_peak_gib"] == 31.0
     assert f["launched"]["vllm_share"] == 0.2 and f["launched"]["sleep_level"] == 0
@@ -469,6 +470,7 @@ def test_tables_from_hand_written_runs(tmp_path):
         in text
     )
     assert "| grpo-lora | 1 of 1 (0) | 0.150 | 0.350 | +0.200 | 1 of 1 |" in text
+    assert "| 2 of 2 | 0.100 → 0.300 | 0.200 (0.200–0.200) |" in text  # then the mean reward of every step
     assert "| rloo-full | 0 of 1 |" in text
     # time and memory: the matrix marked with its runs per GPU, the timing rows apart
     assert "## Time and memory, measured with 2 run(s) per GPU" in text and "includes the other runs" in text

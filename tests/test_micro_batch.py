@@ -124,6 +124,19 @@ def test_bad_sizes_are_refused_with_the_key(sets, message):
     assert line.startswith(message), line
 
 
+def test_the_default_auto_yields_to_a_generation_batch_set_in_extra_args():
+    """auto is the default: a recipe that fixes TRL's generation batch itself (extra_args) keeps its micro-batch as
+    written, with no error and nothing chosen; the same with micro_batch_size written out is refused (above)."""
+    from colocate_rl.recipe.load import apply_overrides, parse_sets
+
+    assert parse_recipe(QWEN05).trainer.micro_batch_size == "auto"
+    fixed = "trainer.extra_args={steps_per_generation: 2}"
+    assert parse_recipe(apply_overrides(QWEN05, parse_sets([fixed]))).trainer.micro_batch_size is None
+    r = resolved(H200_GIB, fixed)
+    assert r.micro_batch_choice is None and r.recipe.trainer.per_device_train_batch_size == 8
+    assert resolved(H200_GIB).micro_batch_choice.size == 64  # without it, the default auto chooses
+
+
 def test_validate_dry_run_and_mem_probe_print_the_choice(tmp_path):
     recipe = write_recipe(
         tmp_path / "r.yaml",
@@ -142,7 +155,10 @@ def test_validate_dry_run_and_mem_probe_print_the_choice(tmp_path):
     assert "# trainer.micro_batch_size auto: 64" in dry.stdout and not (tmp_path / "run").exists()
     data = json.loads(runner.invoke(app, ["mem-probe", str(recipe), "--estimate", "--json", *on_h200]).stdout)
     assert data["micro_batch_choice"]["size"] == 64 and data["micro_batch_choice"]["gradient_accumulation_steps"] == 1
-    plain = runner.invoke(app, ["validate", str(recipe), "--gpus", "1"], env={"COLUMNS": "200"})
+    default = runner.invoke(app, ["validate", str(recipe), "--gpus", "1", "--gpu-memory", str(H200_GIB)])
+    assert "trainer.micro_batch_size auto: 64" in default.stdout  # auto is the default
+    off = ["--set", "trainer.micro_batch_size=null"]
+    plain = runner.invoke(app, ["validate", str(recipe), "--gpus", "1", *off], env={"COLUMNS": "200"})
     assert "micro_batch_size auto" not in plain.stdout
     assert "100 × 64 completions (8 per prompt), micro-batches of 8 × 8 per rank" in plain.stdout
 

@@ -163,12 +163,13 @@ class TrainerSection(_Section):
     per_device_train_batch_size: Count = Field(8, description="Completions per rank per micro-batch.")
     gradient_accumulation_steps: Count = Field(1, description="Micro-batches per optimizer step.")
     micro_batch_size: Count | Literal["auto"] | None = Field(
-        None,
+        "auto",
         description="Split each rank's per_device_train_batch_size × gradient_accumulation_steps completions of a "
         "step into micro-batches of this size instead (it must divide them; the step and the generation batch stay "
         "the same); auto = the largest that fits by the memory estimate, never smaller than "
-        "per_device_train_batch_size (as written without a GPU). The run directory's recipe.yaml holds the result "
-        "as per_device_train_batch_size and gradient_accumulation_steps.",
+        "per_device_train_batch_size (as written without a GPU, or when extra_args sets steps_per_generation or "
+        "generation_batch_size); null = per_device_train_batch_size as written. The run directory's recipe.yaml "
+        "holds the result as per_device_train_batch_size and gradient_accumulation_steps.",
     )
     num_generations: Annotated[int, Strict()] = Field(
         8, ge=2, description="Completions sampled per prompt (the group size)."
@@ -203,6 +204,9 @@ class TrainerSection(_Section):
         if m is None:
             return self
         fixed = [k for k in ("steps_per_generation", "generation_batch_size") if k in self.extra_args]
+        if fixed and "micro_batch_size" not in self.model_fields_set:  # the default auto yields to them
+            self.micro_batch_size = None
+            return self
         if fixed:
             raise ValueError(
                 f"micro_batch_size: cannot be combined with extra_args.{fixed[0]}, which fixes the generation batch "
