@@ -3,8 +3,8 @@
 
 Per workload, in order (each stage a subprocess; a failing one is recorded with its exit code):
 
-1. colocated: `colocate-rl train` for --steps steps, with the probe (benchmarks/generation_probe) recording what
-   each rank sends to vLLM. Figures from rank 0 over the steps after --warmup: `time/generate_s` of metrics.jsonl
+1. colocated: `colocate-rl train` (its defaults: colocate-rl's engine, micro-batch auto) for --steps steps, with the
+   probe (benchmarks/generation_probe) recording what each rank sends to vLLM. Figures from rank 0 over the steps after --warmup: `time/generate_s` of metrics.jsonl
    (the generate phase, exclusive of wake/weight sync/sleep: colocate_rl/rank/telemetry.py) and the completion
    tokens rank 0 generated (probe; else completions/mean_length × completions per rank).
 2. same: standalone vLLM in a separate process on the first GPU (benchmarks/generation_vllm.py) with the engine
@@ -13,6 +13,8 @@ Per workload, in order (each stage a subprocess; a failing one is recorded with 
    0's recorded generations, batch k = generation k) and TRL's SamplingParams (variant `trl`), timed over the same
    number of batches after the same warm-up; other variants change one thing each (generation_vllm.VARIANTS).
 3. mp: the same with vLLM's default engine-core process (no `distributed_executor_backend`).
+4. trl: the colocated run again with TRL's engine and the micro-batch as written (TRL_ENGINE: what TRL's own colocate
+   mode does with the recipe), run directory runs/NAME.trl; the row's `vs_trl_engine` = its s/step ÷ colocated's.
 
 ratio = colocated tokens/s ÷ standalone (same engine, variant trl) tokens/s: 1 is parity, 0.5 half the speed.
 
@@ -41,7 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBE_PATH = ROOT / "benchmarks" / "generation_probe"
 STANDALONE = ROOT / "benchmarks" / "generation_vllm.py"
 STEPS, WARMUP = 12, 2  # 10 measured steps
-STAGES = ("colocated", "same", "mp")
+STAGES = ("colocated", "same", "mp", "trl")
+TRL_ENGINE = ["generation.engine=trl", "trainer.micro_batch_size=null"]  # stage trl: ≈ TRL's own colocate mode
 SAME_VARIANTS, MP_VARIANTS = "trl,detok,lean", "trl,lean"
 # 1 GPU: no DeepSpeed, as bench_engine.py; the layout recipe's sleep level 2 back to colocate-rl's default (auto)
 PLAIN = ["distributed.deepspeed=null", "distributed.zero_stage=null", "generation.sleep_level=auto"]
@@ -72,21 +75,22 @@ WORKLOADS = {  # name: (GPUs, recipe, --set overrides); completions per rank = p
 NEEDS_MODEL = {"c256"}  # a local model directory (--model) and GSM8K-style jsonl (--data: question, answer)
 
 
-def run_dir(out: Path, name: str) -> Path:
-    return out / "runs" / name
+def run_dir(out: Path, name: str, stage: str = "colocated") -> Path:
+    return out / "runs" / (f"{name}.trl" if stage == "trl" else name)
 
 
 def standalone_out(out: Path, name: str, stage: str) -> Path:
     return out / "standalone" / f"{name}.{stage}.json"
 
 
-def colocated_command(name: str, base: str, out: Path, args: argparse.Namespace) -> list[str]:
+def colocated_command(name: str, base: str, out: Path, args: argparse.Namespace, stage: str = "colocated") -> list[str]:
+    """`colocate-rl train` of the workload; stage trl: with TRL_ENGINE, after the experiment's --set."""
     _, recipe, sets = WORKLOADS[base]
     sets = sets + [f"trainer.max_steps={args.steps}", "output.save_model=false"]
     if base in NEEDS_MODEL:
         sets += [f"model.name={Path(args.model).resolve()}", f"data.source={Path(args.data).resolve()}"]
-    argv = [sys.executable, "-m", "colocate_rl", "train", recipe, "--run-dir", str(run_dir(out, name))]
-    for item in sets + list(args.set):
+    argv = [sys.executable, "-m", "colocate_rl", "train", recipe, "--run-dir", str(run_dir(out, name, stage))]
+    for item in sets + list(args.set) + (TRL_ENGINE if stage == "trl" else []):
         argv += ["--set", item]
     return argv
 
@@ -117,8 +121,9 @@ def stage_env(base: str, stage: str, args: argparse.Namespace) -> dict[str, str]
     """Variables the stage adds: its GPUs, and for the colocated run the probe."""
     gpus = WORKLOADS[base][0]
     devices = args.devices.split(",")
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(devices[:gpus] if stage == "colocated" else devices[:1])}
-    if stage == "colocated":
+    trains = stage in ("colocated", "trl")
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(devices[:gpus] if trains else devices[:1])}
+    if trains:
         env.update(PYTHONPATH=str(PROBE_PATH), COLOCATE_BENCH_PROBE="1")
     for item in args.env:
         key, _, value = item.partition("=")
@@ -264,6 +269,11 @@ def figures(name: str, out: Path, warmup: int, exits: dict[str, int], commands: 
         file = standalone_out(out, name, stage)
         if file.exists():
             row[stage] = standalone_figures(file, warmup)
+    if (run_dir(out, name, "trl") / "metrics.jsonl").exists():
+        row["trl_engine"] = colocated_figures(run_dir(out, name, "trl"), warmup)
+        ours, theirs = (row.get("colocated") or {}).get("s_per_step"), row["trl_engine"].get("s_per_step")
+        if ours and theirs:
+            row["vs_trl_engine"] = round(theirs / ours, 3)
     colocated = (row.get("colocated") or {}).get("tokens_per_s")
     same = ((row.get("same") or {}).get("variants") or {}).get("trl") or {}
     if colocated and same.get("tokens_per_s"):
@@ -287,6 +297,8 @@ TABLE_COLUMNS = [
     ("workload", "workload"),
     ("completions/rank", "colocated.requests"),
     ("s/step", "colocated.s_per_step"),
+    ("TRL engine s/step", "trl_engine.s_per_step"),
+    ("× vs TRL engine", "vs_trl_engine"),
     ("train s", "colocated.train_s"),
     ("weight sync s", "colocated.weight_sync_s"),
     ("wake+sleep s", "colocated.wake_sleep_s"),
@@ -311,7 +323,9 @@ TABLE_NOTE = (
     "ratio = colocated tokens/s ÷ standalone tokens/s (same engine arguments, prompts and TRL SamplingParams, one "
     "GPU; 1 = parity, 0.5 = half the speed). Per rank (rank 0), median over the measured batches; tok/s = tokens ÷ "
     "seconds summed over them. detok / lean / mp-engine: the standalone with detokenize=True (TRL's own engine) / with no logprobs "
-    "and no detokenization / with vLLM's own engine-core process (benchmarks/generation_vllm.py).\n"
+    "and no detokenization / with vLLM's own engine-core process (benchmarks/generation_vllm.py). TRL engine: the "
+    "same run with generation.engine trl and the micro-batch as written (≈ TRL's own colocate mode); × = its s/step "
+    "÷ colocate-rl's.\n"
 )
 
 
@@ -377,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{base}+{args.tag}" if args.tag else base
             exits, commands = {}, []
             for stage in stages:
-                if stage == "colocated":
-                    argv = colocated_command(name, base, args.out, args)
+                if stage in ("colocated", "trl"):
+                    argv = colocated_command(name, base, args.out, args, stage)
                 else:
                     argv = standalone_command(name, stage, args.out, args)
                 env = stage_env(base, stage, args)
@@ -386,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.dry_run:
                     print(commands[-1])
                     continue
-                if stage != "colocated" and not (run_dir(args.out, name) / "bench").is_dir():
+                if stage in ("same", "mp") and not (run_dir(args.out, name) / "bench").is_dir():
                     exits[stage] = "skipped: no probe records of a colocated run"
                     continue
                 log = args.out / "logs" / f"{name}.{stage}.log"
@@ -398,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             row = figures(name, args.out, args.warmup, exits, commands)
             with results_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            summary = {k: row.get(k) for k in ("workload", "ratio", "sampling_match", "exits")}
+            summary = {k: row.get(k) for k in ("workload", "ratio", "vs_trl_engine", "sampling_match", "exits")}
             print(json.dumps(summary), flush=True)
     if args.dry_run:
         return 0

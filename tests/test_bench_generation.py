@@ -74,9 +74,9 @@ def test_dry_run_prints_each_workloads_commands_and_runs_nothing(tmp_path, model
     )
     lines = capsys.readouterr().out.splitlines()
     assert code == 0 and not out.exists()
-    assert len(lines) == 3 * len(bench.WORKLOADS)  # colocated, same, mp per workload
-    by_workload = {name: lines[3 * i : 3 * i + 3] for i, name in enumerate(bench.WORKLOADS)}
-    for name, (colocated, same, mp) in by_workload.items():
+    assert len(lines) == 4 * len(bench.WORKLOADS)  # colocated, same, mp, trl per workload
+    by_workload = {name: lines[4 * i : 4 * i + 4] for i, name in enumerate(bench.WORKLOADS)}
+    for name, (colocated, same, mp, trl) in by_workload.items():
         gpus = "0,1" if name == "b256" else "0"
         assert colocated.startswith(
             f"CUDA_VISIBLE_DEVICES={gpus} PYTHONPATH={bench.PROBE_PATH} COLOCATE_BENCH_PROBE=1 "
@@ -87,6 +87,14 @@ def test_dry_run_prints_each_workloads_commands_and_runs_nothing(tmp_path, model
         sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
         assert sets[: len(bench.WORKLOADS[name][2])] == bench.WORKLOADS[name][2]
         assert "trainer.max_steps=12" in sets and "output.save_model=false" in sets
+        # stage trl: the same command with TRL's engine and the micro-batch as written, in its own run directory
+        trl_argv = shlex.split(trl.split(" ", 3)[3])
+        assert trl.split(" ", 3)[:3] == colocated.split(" ", 3)[:3]
+        assert trl_argv[argv.index("--run-dir") + 1] == str(out / "runs" / f"{name}.trl")
+        assert [trl_argv[i + 1] for i, a in enumerate(trl_argv) if a == "--set"] == sets + [
+            "generation.engine=trl",
+            "trainer.micro_batch_size=null",
+        ]
         for line, stage, variants in ((same, "same", "trl,detok,lean"), (mp, "mp", "trl,lean")):
             assert line.startswith("CUDA_VISIBLE_DEVICES=0 ")  # standalone: one GPU
             argv = shlex.split(line.split(" ", 1)[1])
@@ -419,7 +427,22 @@ def test_table_option_rewrites_table_md_from_results(tmp_path):
     row = bench.figures("a128", tmp_path, 1, {"colocated": 0}, [])
     (tmp_path / "results.jsonl").write_text(json.dumps(row) + "\n")
     assert bench.main(["--out", str(tmp_path), "--table"]) == 0
-    assert "| a128 | 2 | 3.5 | 1.1 |  | 0.07 | 12.0 | 2.0 | 50.0 |" in (tmp_path / "table.md").read_text()
+    assert "| a128 | 2 | 3.5 |  |  | 1.1 |  | 0.07 | 12.0 | 2.0 | 50.0 |" in (tmp_path / "table.md").read_text()
+
+
+def test_the_trl_engine_stage_is_compared_step_for_step(tmp_path):
+    """Made-up numbers: the same steps twice as long with TRL's engine (runs/NAME.trl) → × vs TRL engine 2.0."""
+    write_hand_made_results(tmp_path, "c256")
+    run, trl = tmp_path / "runs" / "c256", tmp_path / "runs" / "c256.trl"
+    trl.mkdir()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    slower = [{**r, "wall_s": 2 * r["wall_s"], "time/generate_s": 2 * r["time/generate_s"]} for r in records]
+    (trl / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in slower))
+    (trl / "launch.json").write_text(json.dumps({"trl_args": {"per_device_train_batch_size": 2}}))
+    row = bench.figures("c256", tmp_path, 1, {"colocated": 0, "trl": 0}, [])
+    assert (row["colocated"]["s_per_step"], row["trl_engine"]["s_per_step"], row["vs_trl_engine"]) == (3.5, 7.0, 2.0)
+    assert row["trl_engine"]["tokens_from"] == "completions/mean_length"  # no probe records with TRL's engine
+    assert "| c256 | 2 | 3.5 | 7.0 | 2.0 | 1.1 |" in bench.table([row])
 
 
 def test_launch_env_is_what_launch_sh_exports(tmp_path):
