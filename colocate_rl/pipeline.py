@@ -32,8 +32,9 @@ from colocate_rl.rundir import default_run_dir
 def resolve(recipe: Recipe, host: Host) -> Resolved:
     """Bind `recipe` to `host` and resolve the keys that are auto by the memory estimate: the layout (the fastest
     that fits, estimated with vLLM asleep), then `generation.sleep_level` for that layout (0 when trainer and vLLM
-    fit together, else 2), then `trainer.micro_batch_size` (the largest that fits at that level); the resolved recipe
-    holds what was chosen, so the run directory's recipe.yaml does. Raise one UserError listing every problem."""
+    fit together, else 2), then `trainer.micro_batch_size` (the largest that fits at that level; nothing to choose
+    when the step is one micro-batch); the resolved recipe holds what was chosen, so the run directory's recipe.yaml
+    does. Raise one UserError listing every problem."""
     from colocate_rl.memory.autolayout import choose_layout, choose_sleep_level, with_sleep_level
     from colocate_rl.memory.micro_batch import choose_micro_batch, with_micro_batch
 
@@ -62,7 +63,9 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
     if auto_sleep:
         sleep = choose_sleep_level(resolved, gpu_gib)
         resolved = replace(resolved, recipe=with_sleep_level(resolved.recipe, sleep.level), sleep_choice=sleep)
-    if recipe.trainer.micro_batch_size == "auto":
+    if recipe.trainer.micro_batch_size == "auto" and trainer.gradient_accumulation_steps == 1:
+        resolved = replace(resolved, recipe=with_micro_batch(resolved.recipe, trainer.per_device_train_batch_size))
+    elif recipe.trainer.micro_batch_size == "auto":  # a step of several micro-batches: fewer may fit
         micro = choose_micro_batch(resolved, gpu_gib)
         resolved = replace(resolved, recipe=with_micro_batch(resolved.recipe, micro.size), micro_batch_choice=micro)
     return resolved

@@ -135,6 +135,9 @@ def test_the_default_auto_yields_to_a_generation_batch_set_in_extra_args():
     r = resolved(H200_GIB, fixed)
     assert r.micro_batch_choice is None and r.recipe.trainer.per_device_train_batch_size == 8
     assert resolved(H200_GIB).micro_batch_choice.size == 64  # without it, the default auto chooses
+    one = resolved_for(QWEN05, assumed_host(1, H200_GIB))  # a step of one micro-batch: nothing to choose or print
+    assert one.micro_batch_choice is None and one.recipe.trainer.micro_batch_size is None
+    assert not any("micro_batch_size" in line for line in one.choice_lines())
 
 
 def test_validate_dry_run_and_mem_probe_print_the_choice(tmp_path):

@@ -536,7 +536,6 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
         "distributed.offload_optimizer=false",
         "distributed.offload_params=false",
         "trainer.gradient_checkpointing=false",
-        "trainer.micro_batch_size=16",  # auto (the default) at the recipe's share: one micro-batch of the step's 16
     ]
     name, steps, recipe = calls[0]
     assert (name, steps) == ("trial-1-util0.94", 2)
