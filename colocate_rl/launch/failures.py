@@ -59,7 +59,8 @@ def failures_in(text: str) -> list[str]:
 
 
 def advice(kind: str, recipe: Recipe) -> str | None:
-    """One line naming the recipe keys to change for a failure of `kind`; None for kinds without advice."""
+    """One line naming the recipe keys to change for a failure of `kind`; None for kinds without advice. `recipe` is
+    the run directory's (what each `auto` chose, e.g. the micro-batch, written out)."""
     gen = recipe.generation
     util = gen.vllm_gpu_memory_utilization
     if kind == START_REFUSED:
@@ -84,7 +85,13 @@ def advice(kind: str, recipe: Recipe) -> str | None:
             steps.append("set distributed.offload_optimizer: true")
         if recipe.trainer.gradient_checkpointing is not True:
             steps.append("set trainer.gradient_checkpointing: true")
-        steps.append("lower trainer.per_device_train_batch_size or trainer.max_completion_length")
+        micro, step = recipe.trainer.per_device_train_batch_size, recipe.trainer.step_completions
+        smaller = next((m for m in range(micro - 1, 0, -1) if step % m == 0), None)
+        if smaller:  # the same step in smaller micro-batches (what micro_batch_size auto may have raised)
+            steps.append(
+                f"split the step into smaller micro-batches (trainer.micro_batch_size: {smaller}; now {micro})"
+            )
+        steps.append("lower trainer.max_completion_length or the completions per step")
         return "a rank ran out of GPU memory: " + ", ".join(steps) + "; " + MEM_PROBE
     if kind == NO_SPACE:
         return (
