@@ -4,9 +4,10 @@
 Per workload, in order (each stage a subprocess; a failing one is recorded with its exit code):
 
 1. colocated: `colocate-rl train` (its defaults: colocate-rl's engine, micro-batch auto) for --steps steps, with the
-   probe (benchmarks/generation_probe) recording what each rank sends to vLLM. Figures from rank 0 over the steps after --warmup: `time/generate_s` of metrics.jsonl
-   (the generate phase, exclusive of wake/weight sync/sleep: colocate_rl/rank/telemetry.py) and the completion
-   tokens rank 0 generated (probe; else completions/mean_length × completions per rank).
+   probe (benchmarks/generation_probe) recording what each rank sends to vLLM. Figures from rank 0 over the steps
+   after --warmup: `time/generate_s` of metrics.jsonl (the generate phase, exclusive of wake/weight sync/sleep:
+   colocate_rl/rank/telemetry.py) and the completion tokens rank 0 generated (probe; else completions/mean_length ×
+   completions per rank).
 2. same: standalone vLLM in a separate process on the first GPU (benchmarks/generation_vllm.py) with the engine
    arguments the run's rank 0 passed to `vllm.LLM`, rebuilt from the run directory (launch.json's EngineOptions
    and TRL arguments, through colocate-rl's own `ColocatedEngine.llm_kwargs`), the same prompt token ids (rank

@@ -286,9 +286,8 @@ def figures(run_dir: Path, code: int, log: Path | None = None) -> dict:
     if steps:
         row["reward_first5"] = round(statistics.mean(r["reward"] for r in steps[:5]), 4)
         row["reward_last5"] = round(statistics.mean(r["reward"] for r in steps[-5:]), 4)
-        row["reward_mean"] = round(
-            statistics.mean(r["reward"] for r in steps), 4
-        )  # every step: the learning curve's area
+        # every step: the area under the learning curve, what "same learning" compares
+        row["reward_mean"] = round(statistics.mean(r["reward"] for r in steps), 4)
     if len(steps) >= 2:
         diffs = [b["wall_s"] - a["wall_s"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
         row["s_per_step"] = round(statistics.median(diffs), 4) if diffs else None

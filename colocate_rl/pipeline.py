@@ -63,11 +63,10 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
     if auto_sleep:
         sleep = choose_sleep_level(resolved, gpu_gib)
         resolved = replace(resolved, recipe=with_sleep_level(resolved.recipe, sleep.level), sleep_choice=sleep)
-    if recipe.trainer.micro_batch_size == "auto" and trainer.gradient_accumulation_steps == 1:
-        resolved = replace(resolved, recipe=with_micro_batch(resolved.recipe, trainer.per_device_train_batch_size))
-    elif recipe.trainer.micro_batch_size == "auto":  # a step of several micro-batches: fewer may fit
-        micro = choose_micro_batch(resolved, gpu_gib)
-        resolved = replace(resolved, recipe=with_micro_batch(resolved.recipe, micro.size), micro_batch_choice=micro)
+    if recipe.trainer.micro_batch_size == "auto":
+        micro = choose_micro_batch(resolved, gpu_gib)  # None: the step is one micro-batch already
+        size = micro.size if micro is not None else trainer.per_device_train_batch_size
+        resolved = replace(resolved, recipe=with_micro_batch(resolved.recipe, size), micro_batch_choice=micro)
     return resolved
 
 

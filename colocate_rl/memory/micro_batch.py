@@ -64,13 +64,15 @@ def with_micro_batch(recipe: Recipe, size: int) -> Recipe:
     return recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update=update)})
 
 
-def choose_micro_batch(resolved: Resolved, gpu_gib: float | None) -> MicroBatchChoice:
+def choose_micro_batch(resolved: Resolved, gpu_gib: float | None) -> MicroBatchChoice | None:
     """`trainer.micro_batch_size: auto` for `resolved` (layout and sleep level chosen or given): see the module
-    docstring."""
+    docstring. None when the step is one micro-batch: nothing to choose."""
     from colocate_rl.memory.estimate import estimate
 
     recipe = resolved.recipe
     written, total = recipe.trainer.per_device_train_batch_size, recipe.trainer.step_completions
+    if written == total:
+        return None
     sizes = [m for m in range(total, written - 1, -1) if total % m == 0]
     if gpu_gib is None:
         return MicroBatchChoice(written, total // written, "no GPU here, so no memory to size it against: as written")
