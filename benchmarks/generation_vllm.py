@@ -12,13 +12,16 @@ Standalone (a separate process on one GPU, after the colocated run of the same w
 - Requests: the prompt token ids rank 0 sent to vLLM, recorded per generation by the probe (below), batch k of the
   standalone = generation k of the run; SamplingParams as TRL builds them (`sampling_kwargs`), changed per variant
   (`VARIANTS`). Timed: `LLM.generate` only (prefix cache reset before each batch, as after every weight push), and
-  TRL's logprob extraction of its outputs separately (`post_s`).
+  the run's logprob extraction of its outputs separately (`post_s`).
 
-Probe (in the colocated run's ranks, through benchmarks/generation_probe/sitecustomize.py): wraps each rank's
-`llm.generate` and TRL's `extract_logprobs`, appending one JSON line per call to
-RUN/bench/generate_calls.rank<N>.jsonl: prompt token ids, SamplingParams, completion tokens, seconds in vLLM, in
-TRL's extraction and in Python's garbage collector, plus the engine's built config once. COLOCATE_BENCH_GC=off also
-turns the garbage collector off during `llm.generate` (an experiment, not a fix).
+Probe (in the colocated run's ranks, through benchmarks/generation_probe/sitecustomize.py; colocate-rl's engine or
+TRL's): wraps each rank's `llm.generate` and the `extract_logprobs` TRL's generate calls, appending one JSON line per
+call to RUN/bench/generate_calls.rank<N>.jsonl: prompt token ids, SamplingParams, completion tokens, seconds in vLLM,
+in the extraction and in Python's garbage collector, plus the engine's built config once. COLOCATE_BENCH_GC=off also
+turns the garbage collector off during `llm.generate` (an experiment, not a fix). COLOCATE_BENCH_PROFILE=generate=K,
+train=J runs torch's profiler over generate call K (and the standalone's batch K of its first variant, into its
+result's `profile`) and TRL's training_step call J, into RUN/bench/profile.{generate,train}.rank<N>.json: wall
+seconds against GPU kernel seconds, and the top kernels and CPU operators.
 
 Importing this module needs neither vLLM nor a GPU; `engine_kwargs` and `sampling_kwargs` need TRL (tested on CPU).
 """
@@ -42,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBE_DIR = "bench"  # RUN/bench/generate_calls.rank<N>.jsonl
 PROBE_ENV = "COLOCATE_BENCH_PROBE"  # "1": the sitecustomize patches the ranks' engine
 GC_ENV = "COLOCATE_BENCH_GC"  # "off": garbage collector off during the ranks' llm.generate
+PROFILE_ENV = "COLOCATE_BENCH_PROFILE"  # "generate=K,train=J": torch-profile generate call K, training_step call J
 
 # TRL config fields that no engine or sampling argument reads (grpo_trainer.py / rloo_trainer.py where they build
 # VLLMGeneration, vllm_generation.py where it builds SamplingParams); building TRL's config without them needs no GPU
@@ -55,6 +59,7 @@ VARIANTS = {  # name → (what it changes in TRL's request, SamplingParams chang
     "nologprobs": ("logprobs=None", {"logprobs": None}),
     "lean": ("logprobs=None, detokenize=False", {"logprobs": None, "detokenize": False}),
     "flat": ("+ detokenize=False, flat_logprobs=True", {"detokenize": False, "flat_logprobs": True}),
+    "nested": ("+ flat_logprobs=False (a dict and a Logprob per token)", {"flat_logprobs": False}),
     "groupn": ("n=num_generations on one copy of each prompt (vLLM fans out)", {}),
 }
 SAMPLING_FIELDS = (
@@ -319,15 +324,67 @@ def read_probe(run_dir: Path, rank: int = 0) -> tuple[dict | None, list[dict], d
     return engine, calls, extract
 
 
-def attach_probe(engine) -> None:
-    """Wrap `engine.llm.generate` (a rank's vllm.LLM) and TRL's `extract_logprobs` to record each call."""
-    run_dir = getattr(engine, "run_dir", None)
-    if run_dir is None or getattr(engine, "llm", None) is None:
+def profile_targets() -> dict[str, int]:
+    """What COLOCATE_BENCH_PROFILE asks to profile: {"generate": call index, "train": training_step call index}."""
+    targets = {}
+    for item in os.environ.get(PROFILE_ENV, "").split(","):
+        key, sep, value = item.partition("=")
+        if sep and key in ("generate", "train") and value.strip().isdigit():
+            targets[key] = int(value)
+    return targets
+
+
+def profiled(fn, *args, **kwargs) -> tuple[Any, dict]:
+    """`fn(*args, **kwargs)` under torch's profiler (CPU and CUDA); its result and `profile_summary`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    return result, profile_summary(prof, wall)
+
+
+def profile_summary(prof, wall_s: float, top: int = 15) -> dict:
+    """Wall seconds, seconds of GPU kernels (their self time summed: one stream), kernel count, and the kernels and
+    CPU operators that took the most time."""
+    from torch.autograd import DeviceType
+
+    rows = prof.key_averages()
+    kernels = [e for e in rows if e.device_type == DeviceType.CUDA]
+    cpu = [e for e in rows if e.device_type == DeviceType.CPU]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    cpu.sort(key=lambda e: -e.self_cpu_time_total)
+    return {
+        "wall_s": round(wall_s, 5),
+        "kernel_s": round(sum(e.self_device_time_total for e in kernels) / 1e6, 5),
+        "kernels": sum(e.count for e in kernels),
+        "top_kernels_ms": [[e.key[:90], round(e.self_device_time_total / 1e3, 3), e.count] for e in kernels[:top]],
+        "top_cpu_ms": [[e.key[:90], round(e.self_cpu_time_total / 1e3, 3), e.count] for e in cpu[:top]],
+    }
+
+
+def write_profile(run_dir: Path, what: str, rank: int, summary: dict) -> None:
+    path = Path(run_dir) / PROBE_DIR / f"profile.{what}.rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def attach_probe(engine, run_dir: Path | None = None) -> None:
+    """Wrap `engine.llm.generate` (a rank's vllm.LLM) and TRL's `extract_logprobs` to record each call; the run
+    directory is the engine's (colocate-rl's) or `run_dir` (TRL's engine)."""
+    run_dir = getattr(engine, "run_dir", None) or run_dir
+    llm = getattr(engine, "llm", None)
+    if run_dir is None or llm is None or getattr(llm.generate, "_bench_probe", False):
         return
     rank = engine.accelerator.process_index
     path = probe_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    llm, clock, state = engine.llm, GcClock(), {"call": -1}
+    clock, state, targets = GcClock(), {"call": -1}, profile_targets()
     gc_off = os.environ.get(GC_ENV) == "off"
 
     def write(record: dict) -> None:
@@ -349,7 +406,11 @@ def attach_probe(engine) -> None:
             gc.disable()
         start = time.perf_counter()
         try:
-            outputs = generate(prompts, sampling_params, *args, **kwargs)
+            if state["call"] == targets.get("generate"):
+                outputs, summary = profiled(generate, prompts, sampling_params, *args, **kwargs)
+                write_profile(run_dir, "generate", rank, summary)
+            else:
+                outputs = generate(prompts, sampling_params, *args, **kwargs)
         finally:
             seconds = time.perf_counter() - start
             clock.active = False
@@ -368,6 +429,7 @@ def attach_probe(engine) -> None:
         write(record)
         return outputs
 
+    probed_generate._bench_probe = True
     llm.generate = probed_generate
     trl_vllm = sys.modules.get("trl.generation.vllm_generation")
     if trl_vllm is not None and not getattr(trl_vllm.extract_logprobs, "_bench_probe", False):
@@ -383,21 +445,63 @@ def attach_probe(engine) -> None:
         trl_vllm.extract_logprobs = probed_extract
 
 
-def patch_engine(module) -> None:
-    """Make colocate_rl.rank.vllm_engine's engine attach the probe once its vLLM has started."""
-    cls = module.ColocatedEngine
-    if getattr(cls._init_vllm, "_bench_probe", False):
+def worker_run_dir() -> Path | None:
+    """RUN_DIR of `python -m colocate_rl.worker RUN_DIR` (this process, a rank)."""
+    return Path(sys.argv[1]) if len(sys.argv) > 1 else None
+
+
+def _attach_after_init(cls) -> None:
+    """Make `cls` (an engine class) attach the probe once its colocated vLLM has started."""
+    init = cls.__dict__["_init_vllm"]
+    if getattr(init, "_bench_probe", False):
         return
-    init = cls._init_vllm
 
     def _init_vllm(self):
         result = init(self)
         if self.mode == "colocate":
-            attach_probe(self)
+            attach_probe(self, worker_run_dir())
         return result
 
     _init_vllm._bench_probe = True
     cls._init_vllm = _init_vllm
+
+
+def patch_engine(module) -> None:
+    """colocate_rl.rank.vllm_engine: its engine attaches the probe."""
+    _attach_after_init(module.ColocatedEngine)
+
+
+def patch_trl_engine(module) -> None:
+    """trl.generation.vllm_generation: TRL's engine (`generation.engine: trl` rows) attaches the probe too."""
+    _attach_after_init(module.VLLMGeneration)
+
+
+def patch_trainer(module) -> None:
+    """trl.trainer.grpo_trainer: profile the training_step call COLOCATE_BENCH_PROFILE names (`train=J`, counted
+    from 0 over the run) on every rank, into RUN/bench/profile.train.rank<N>.json."""
+    target = profile_targets().get("train")
+    cls = module.GRPOTrainer
+    if target is None or getattr(cls.training_step, "_bench_probe", False):
+        return
+    step, calls = cls.training_step, {"n": -1}
+
+    def training_step(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] != target:
+            return step(self, *args, **kwargs)
+        result, summary = profiled(step, self, *args, **kwargs)
+        write_profile(worker_run_dir(), "train", self.accelerator.process_index, summary)
+        return result
+
+    training_step._bench_probe = True
+    cls.training_step = training_step
+
+
+PATCHES = {  # module → what the sitecustomize applies once it is imported in a rank
+    "colocate_rl.rank.vllm_engine": patch_engine,
+    "trl.generation.vllm_generation": patch_trl_engine,
+    "trl.trainer.grpo_trainer": patch_trainer,
+}
 
 
 # ---------------------------------------------------------------------------------------------- standalone run
@@ -454,8 +558,9 @@ def run_standalone(args: argparse.Namespace) -> dict[str, Any]:
     if len(batches) < needed:
         raise SystemExit(f"{probe_path(args.run_dir, args.rank)}: {len(batches)} recorded generations, need {needed}")
 
-    from trl.generation.vllm_generation import extract_logprobs
     from vllm import LLM, SamplingParams
+
+    from colocate_rl.rank.vllm_engine import extract_logprobs  # what colocate-rl's runs use (TRL's, or faster)
 
     llm = LLM(**kwargs)
     result: dict[str, Any] = {
@@ -466,7 +571,7 @@ def run_standalone(args: argparse.Namespace) -> dict[str, Any]:
         "recorded_sampling": calls[0].get("sampling"),
         "variants": {},
     }
-    clock = GcClock()
+    clock, profile_at = GcClock(), profile_targets().get("generate")
     for variant in args.variants:
         params = SamplingParams(**variant_sampling(base, variant))
         rows = []
@@ -482,7 +587,11 @@ def run_standalone(args: argparse.Namespace) -> dict[str, Any]:
             clock.reset()
             clock.active = True
             start = time.perf_counter()
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params_k, use_tqdm=False)
+            requests = [{"prompt_token_ids": p} for p in prompts]
+            if variant == args.variants[0] and k == profile_at:  # as the probe profiles the colocated call
+                outputs, result["profile"] = profiled(llm.generate, requests, params_k, use_tqdm=False)
+            else:
+                outputs = llm.generate(requests, params_k, use_tqdm=False)
             seconds = time.perf_counter() - start
             clock.active = False
             row = {"s": round(seconds, 5), "tokens": completion_tokens(outputs), "gc_s": round(clock.seconds, 5)}

@@ -180,6 +180,7 @@ def test_standalone_engine_arguments_come_from_the_run_dir(name, expected, max_t
         max_tokens=max_tokens,
         logprobs=0,
         detokenize=False,  # colocate-rl's engine: TRL reads token ids only
+        flat_logprobs=True,  # and the logprobs as flat lists
     )
     assert bench.completions_per_rank(spec["trl_args"]) == expected["max_num_seqs"]
 
@@ -292,6 +293,7 @@ def test_variants_change_one_thing_each_and_groups_are_found():
     assert G.variant_sampling(base, "detok") == {**base, "detokenize": True}
     assert G.variant_sampling(base, "lean") == {**base, "logprobs": None, "detokenize": False}
     assert G.variant_sampling(base, "flat") == {**base, "detokenize": False, "flat_logprobs": True}
+    assert G.variant_sampling(base, "nested") == {**base, "flat_logprobs": False}
     with pytest.raises(SystemExit, match="stop strings"):
         G.variant_sampling({**base, "stop": ["\n"]}, "nodetok")
     with pytest.raises(SystemExit, match="unknown variant"):
@@ -332,7 +334,9 @@ def test_probe_records_each_generate_of_a_rank(tmp_path, monkeypatch):
 
     engine = SimpleNamespace(run_dir=tmp_path, llm=FakeLLM(), accelerator=SimpleNamespace(process_index=1))
     monkeypatch.setitem(sys.modules, "trl.generation.vllm_generation", SimpleNamespace(extract_logprobs=lambda o: o))
+    monkeypatch.setenv(G.PROFILE_ENV, "generate=1")
     G.attach_probe(engine)
+    G.attach_probe(engine)  # once only
     params = SimpleNamespace(n=1, temperature=1.0, logprobs=0, max_tokens=8, detokenize=True)
     for batch in ([[1, 2, 3]] * 2, [[4, 5]] * 2):
         outputs = engine.llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
@@ -345,6 +349,39 @@ def test_probe_records_each_generate_of_a_rank(tmp_path, monkeypatch):
     assert calls[0]["sampling"]["logprobs"] == 0 and calls[0]["sampling"]["top_k"] is None
     assert calls[0]["gc_tracked_objects"] > 0 and "gc_tracked_objects" not in calls[1]
     assert set(extract) == {0, 1} and all(c["llm_generate_s"] >= 0 for c in calls)
+    profile = json.loads((tmp_path / "bench" / "profile.generate.rank1.json").read_text())
+    assert profile["wall_s"] > 0 and profile["kernels"] == 0  # call 1 (no torch work in the fake: nothing else)
+
+
+def test_trl_engine_and_training_step_are_probed_in_a_worker(tmp_path, monkeypatch):
+    """TRL's engine (no run_dir of its own) records into the worker's RUN_DIR; the training_step call named in
+    COLOCATE_BENCH_PROFILE is profiled (test doubles for TRL's classes: the probe patches them by name)."""
+    import torch
+
+    class Engine:
+        mode = "colocate"
+
+        def _init_vllm(self):
+            self.llm, self.accelerator = FakeLLM(), SimpleNamespace(process_index=0)
+
+    class Trainer:
+        accelerator = SimpleNamespace(process_index=0)
+
+        def training_step(self, x):
+            return torch.ones(64, 64) @ torch.ones(64, 64) * x
+
+    monkeypatch.setattr(sys, "argv", ["colocate_rl/worker.py", str(tmp_path)])
+    monkeypatch.setenv(G.PROFILE_ENV, "train=1,generate=x")
+    assert G.profile_targets() == {"train": 1}
+    G.patch_trl_engine(SimpleNamespace(VLLMGeneration=Engine))
+    G.patch_trainer(SimpleNamespace(GRPOTrainer=Trainer))
+    engine, trainer = Engine(), Trainer()
+    engine._init_vllm()
+    engine.llm.generate([{"prompt_token_ids": [1, 2]}], SimpleNamespace(n=1), use_tqdm=False)
+    assert [c["completion_tokens"] for c in G.read_probe(tmp_path, 0)[1]] == [2]
+    assert [float(trainer.training_step(k)[0, 0]) for k in (1, 2, 3)] == [64.0, 128.0, 192.0]
+    profile = json.loads((tmp_path / "bench" / "profile.train.rank0.json").read_text())
+    assert any("mm" in name for name, _, _ in profile["top_cpu_ms"])  # call 1 was profiled
 
 
 def write_hand_made_results(out: Path, name: str) -> None:
@@ -463,10 +500,14 @@ def test_sitecustomize_patches_the_engine_only_in_a_probed_worker():
 
     from tests.conftest import clean_env
 
-    env = clean_env(PYTHONPATH=str(bench.PROBE_PATH), COLOCATE_BENCH_PROBE="1")
-    code = "import colocate_rl.rank.vllm_engine as E; print(E.ColocatedEngine._init_vllm._bench_probe)"
+    env = clean_env(PYTHONPATH=str(bench.PROBE_PATH), COLOCATE_BENCH_PROBE="1", COLOCATE_BENCH_PROFILE="train=2")
+    code = (
+        "import colocate_rl.rank.vllm_engine as E, trl.trainer.grpo_trainer as T, sys;"
+        "print(E.ColocatedEngine._init_vllm._bench_probe, E.VLLMGeneration._init_vllm._bench_probe,"
+        " T.GRPOTrainer.training_step._bench_probe, [type(f).__name__ for f in sys.meta_path].count('_Finder'))"
+    )
     worker = subprocess.run([sys.executable, "-c", code, "colocate_rl.worker"], env=env, capture_output=True, text=True)
-    assert worker.stdout.strip() == "True", worker.stderr[-2000:]
+    assert worker.stdout.strip() == "True True True 0", worker.stderr[-2000:]
     hooks = "import sys; print([type(f).__name__ for f in sys.meta_path if type(f).__name__ == '_Finder'])"
     other = subprocess.run([sys.executable, "-c", hooks], env=env, capture_output=True, text=True)
     assert other.stdout.strip() == "[]", other.stderr[-2000:]

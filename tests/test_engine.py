@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -159,17 +160,19 @@ def test_compare_weights_reports_differences_shapes_and_missing_tensors():
 
 
 def test_install_makes_both_trainers_build_the_engine_with_the_options():
+    import trl.generation.vllm_generation as trl_vllm
     import trl.trainer.grpo_trainer as grpo
     import trl.trainer.rloo_trainer as rloo
 
-    before = grpo.VLLMGeneration, rloo.VLLMGeneration
+    before = grpo.VLLMGeneration, rloo.VLLMGeneration, trl_vllm.extract_logprobs
     try:
         options = engine_options(sleep_level=1, enforce_eager=True)
         cls = E.install(options, Path("/runs/r"), seed=7)
         assert grpo.VLLMGeneration is cls and rloo.VLLMGeneration is cls and issubclass(cls, E.VLLMGeneration)
         assert cls.options is options and cls.run_dir == Path("/runs/r") and cls.seed == 7
+        assert trl_vllm.extract_logprobs is E.extract_logprobs  # TRL's generate looks it up at each call
     finally:
-        grpo.VLLMGeneration, rloo.VLLMGeneration = before
+        grpo.VLLMGeneration, rloo.VLLMGeneration, trl_vllm.extract_logprobs = before
 
 
 def test_llm_kwargs_carry_the_recipe_options(monkeypatch):
@@ -208,14 +211,91 @@ def test_llm_kwargs_carry_the_recipe_options(monkeypatch):
     )
 
 
-def test_sampling_turns_detokenization_off_unless_asked_or_needed_for_stop_strings():
+def test_sampling_asks_for_flat_logprobs_and_no_text_unless_asked_or_needed_for_stop_strings():
     """TRL's colocated path reads token ids only, so vLLM need not build the text; a recipe's own `detokenize` and
-    stop strings (which vLLM refuses without detokenization) keep it on."""
-    assert E.sampling_kwargs({}) == {"detokenize": False}
-    assert E.sampling_kwargs({"top_k": 5}) == {"detokenize": False, "top_k": 5}
-    assert E.sampling_kwargs({"detokenize": True}) == {"detokenize": True}
-    assert E.sampling_kwargs({"stop": ["\n\n"]}) == {"stop": ["\n\n"]}
-    assert E.sampling_kwargs({"stop": [], "seed": 1}) == {"detokenize": False, "stop": [], "seed": 1}
+    stop strings (which vLLM refuses without detokenization) keep it on. Logprobs come flat unless the recipe says
+    otherwise."""
+    flat = {"flat_logprobs": True}
+    assert E.sampling_kwargs({}) == {"detokenize": False, **flat}
+    assert E.sampling_kwargs({"top_k": 5}) == {"detokenize": False, "top_k": 5, **flat}
+    assert E.sampling_kwargs({"detokenize": True}) == {"detokenize": True, **flat}
+    assert E.sampling_kwargs({"stop": ["\n\n"]}) == {"stop": ["\n\n"], **flat}
+    assert E.sampling_kwargs({"stop": [], "seed": 1}) == {"detokenize": False, "stop": [], "seed": 1, **flat}
+    assert E.sampling_kwargs({"flat_logprobs": False}) == {"detokenize": False, "flat_logprobs": False}
+
+
+# vLLM cannot be installed on CPU machines, so these doubles copy vLLM 0.26's output shapes (vllm/logprobs.py:
+# FlatLogprobs, a Sequence of positions over flat lists; the nested form, a list of {token id: Logprob}); the GPU
+# test test_flat_logprobs_extract_as_trl_does checks the real ones.
+@dataclasses.dataclass
+class FlatLogprobs:
+    start_indices: list = dataclasses.field(default_factory=list)
+    end_indices: list = dataclasses.field(default_factory=list)
+    token_ids: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    ranks: list = dataclasses.field(default_factory=list)
+    positions_read = 0  # per-position dicts built (what the fast path avoids)
+
+    def append(self, entries: list[tuple[int, float, int]]) -> None:
+        self.start_indices.append(len(self.logprobs))
+        for token, logprob, rank in entries:
+            self.token_ids.append(token)
+            self.logprobs.append(logprob)
+            self.ranks.append(rank)
+        self.end_indices.append(len(self.logprobs))
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+    def __getitem__(self, i: int) -> dict:
+        FlatLogprobs.positions_read += 1
+        return {
+            self.token_ids[k]: SimpleNamespace(logprob=self.logprobs[k], rank=self.ranks[k])
+            for k in range(self.start_indices[i], self.end_indices[i])
+        }
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def vllm_outputs(positions_per_sequence: list[list[list[tuple[int, float, int]]]], flat: bool = True) -> list:
+    """RequestOutputs with one completion each; a position is a list of (token id, logprob, rank) entries."""
+    outputs = []
+    for positions in positions_per_sequence:
+        if flat:
+            logprobs = FlatLogprobs()
+            for entries in positions:
+                logprobs.append(entries)
+        else:
+            logprobs = [{t: SimpleNamespace(logprob=lp, rank=r) for t, lp, r in entries} for entries in positions]
+        outputs.append(SimpleNamespace(outputs=[SimpleNamespace(logprobs=logprobs)]))
+    return outputs
+
+
+SAMPLED = [[[(5, -0.5, 3)], [(9, float("nan"), 1)], [(2, -1.25, 7)]], [[(4, -0.0, 1)]]]  # logprobs=0: one entry
+
+
+def test_flat_logprobs_extract_as_trl_does_without_a_dict_per_token():
+    from trl.generation.vllm_generation import extract_logprobs as trl_extract
+
+    outputs = vllm_outputs(SAMPLED)
+    logprobs, token_ids = E.extract_logprobs(outputs)
+    assert logprobs == [[[-0.5], [None], [-1.25]], [[-0.0]]] and token_ids == [[[5], [9], [2]], [[4]]]
+    assert (logprobs, token_ids) == trl_extract(outputs) == trl_extract(vllm_outputs(SAMPLED, flat=False))
+    FlatLogprobs.positions_read = 0
+    E.extract_logprobs(outputs)
+    assert FlatLogprobs.positions_read == 0  # read from the flat lists
+
+
+def test_other_logprobs_go_to_trls_extraction():
+    from trl.generation.vllm_generation import extract_logprobs as trl_extract
+
+    top2 = [[[(5, -0.5, 3), (7, -0.1, 1), (5, -0.5, 2)]], [[(4, -0.2, 1), (8, -3.0, 2)]]]  # the sampled one + top-k
+    for outputs in (vllm_outputs(top2), vllm_outputs(SAMPLED, flat=False)):
+        assert E.extract_logprobs(outputs) == trl_extract(outputs)
+    assert E.extract_logprobs(vllm_outputs(top2))[1] == [[[7, 5]], [[4, 8]]]  # sorted by rank, as TRL sorts
+    no_logprobs = [SimpleNamespace(outputs=[SimpleNamespace(logprobs=None)])]
+    assert E.extract_logprobs(no_logprobs) == (None, None)
 
 
 # ---------------------------------------------------------------------------------------------- the cycle

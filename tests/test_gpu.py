@@ -209,6 +209,50 @@ def test_engine_cycle_per_sleep_level(tmp_path, level):
     assert asleep < 0.1 * awake
 
 
+FLAT_LOGPROBS_SCRIPT = """
+import json, sys
+from vllm import LLM, SamplingParams
+from trl.generation.vllm_generation import extract_logprobs as trl_extract
+from colocate_rl.rank import vllm_engine as E
+
+llm = LLM(model=sys.argv[1], enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=256, seed=0,
+          logprobs_mode="processed_logprobs")
+prompts = [{"prompt_token_ids": [10 + i, 20 + i, 30]} for i in range(16)]
+kwargs = dict(temperature=1.0, max_tokens=48, logprobs=0, seed=3, detokenize=False)
+flat = llm.generate(prompts, SamplingParams(**kwargs, flat_logprobs=True), use_tqdm=False)
+nested = llm.generate(prompts, SamplingParams(**kwargs), use_tqdm=False)
+trl_flat, trl_nested = trl_extract(flat), trl_extract(nested)
+E.trl_extract_logprobs = None  # the flat outputs must not need TRL's per-token loop
+ours = E.extract_logprobs(flat)
+assert type(flat[0].outputs[0].logprobs).__name__ == "FlatLogprobs"
+assert ours == trl_flat, "flat: colocate-rl's extraction differs from TRL's on the same outputs"
+same_ids = trl_nested[1] == ours[1]
+diff = max(abs(a[0] - b[0]) for s, t in zip(ours[0], trl_nested[0]) for a, b in zip(s, t)) if same_ids else None
+print(json.dumps({"tokens": sum(len(s) for s in ours[0]), "nested_same_tokens": same_ids, "nested_max_diff": diff}))
+"""
+
+
+def test_flat_logprobs_extract_as_trl_does(tmp_path):
+    """vLLM 0.26's real flat logprobs (what colocate-rl's engine asks for) read without TRL's per-token loop give
+    TRL's result on the same outputs; against nested logprobs of the same seeded requests the figures are printed."""
+    from colocate_rl.builtin_model import build_model_in_subprocess
+
+    model = build_model_in_subprocess("qwen2.5-0.5b", tmp_path / "model", dtype="bfloat16")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ONE}
+    done = subprocess.run(
+        [sys.executable, "-c", FLAT_LOGPROBS_SCRIPT, str(model)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    print(figures)
+    assert figures["tokens"] > 0
+
+
 def test_sleep_level_auto_runs_the_level_the_plan_chose(tmp_path):
     """`generation.sleep_level: auto` on the 0.5B layout (one GPU): `validate` names the level (0 on an H200: the
     trainer and vLLM's 25 % fit together), the run writes it into its recipe.yaml, the engine started at it, and the

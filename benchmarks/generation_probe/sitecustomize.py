@@ -1,7 +1,8 @@
 """Generation probe for benchmarks/bench_generation.py (not part of the package): in colocate-rl's worker processes,
-when COLOCATE_BENCH_PROBE=1, record every `llm.generate` of the colocated engine (prompt token ids, SamplingParams,
-seconds in vLLM / TRL's logprob extraction / the garbage collector) to RUN/bench/generate_calls.rank<N>.jsonl; see
-benchmarks/generation_vllm.py. Python loads it from PYTHONPATH at start-up, as tools/diag_memory does:
+when COLOCATE_BENCH_PROBE=1, record every `llm.generate` of the colocated engine, colocate-rl's or TRL's (prompt
+token ids, SamplingParams, seconds in vLLM / the logprob extraction / the garbage collector) to
+RUN/bench/generate_calls.rank<N>.jsonl, and torch-profile the calls COLOCATE_BENCH_PROFILE names; see
+benchmarks/generation_vllm.py (PATCHES). Python loads it from PYTHONPATH at start-up, as tools/diag_memory does:
 
     PYTHONPATH=benchmarks/generation_probe COLOCATE_BENCH_PROBE=1 colocate-rl train ...
 """
@@ -15,11 +16,18 @@ if os.environ.get("COLOCATE_BENCH_PROBE") == "1" and "colocate_rl.worker" in " "
     import importlib.abc
     import importlib.machinery
 
+    PATCHED = ("colocate_rl.rank.vllm_engine", "trl.generation.vllm_generation", "trl.trainer.grpo_trainer")
+
     class _Finder(importlib.abc.MetaPathFinder):
+        def __init__(self):
+            self.pending = set(PATCHED)
+
         def find_spec(self, name, path, target=None):
-            if name != "colocate_rl.rank.vllm_engine":
+            if name not in self.pending:
                 return None
-            sys.meta_path.remove(self)
+            self.pending.discard(name)
+            if not self.pending:
+                sys.meta_path.remove(self)
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             run = spec.loader.exec_module
 
@@ -30,7 +38,7 @@ if os.environ.get("COLOCATE_BENCH_PROBE") == "1" and "colocate_rl.worker" in " "
                     import generation_vllm
                 finally:
                     sys.path.pop(0)
-                generation_vllm.patch_engine(module)
+                generation_vllm.PATCHES[name](module)
 
             spec.loader.exec_module = exec_module
             return spec

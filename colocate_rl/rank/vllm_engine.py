@@ -17,6 +17,8 @@ pinned exactly: this relies on its internals). Per step, on every rank, the cycl
   weights and gradients to CPU while vLLM's KV cache is awake, `reload_states` brings them back after.
 - Weight check (`check_weights`): after each push a few tensors of vLLM's model are compared with what the
   trainer pushed; a mismatch raises `StaleWeightsError` (the run stops).
+- Sampling: vLLM returns token ids only (no text) and flat logprobs, which `extract_logprobs` hands to TRL without
+  a per-token dict; `install` puts it in place of TRL's.
 
 Every step of the cycle is a method (`_wake`, `_sleep`, `sync_weights`, `_offload_trainer`, `_reload_trainer`)
 that `colocate_rl.rank.telemetry` times as a phase. Importing this module needs TRL but not vLLM.
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
+from trl.generation.vllm_generation import extract_logprobs as trl_extract_logprobs
 
 from colocate_rl.errors import StaleWeightsError
 from colocate_rl.plan.engine_options import EngineOptions
@@ -100,10 +103,30 @@ def compare_weights(pushed: dict[str, torch.Tensor], engine_params: dict[str, to
 
 
 def sampling_kwargs(user: dict[str, Any]) -> dict[str, Any]:
-    """The SamplingParams the recipe's `generation_kwargs` ask for, with vLLM's detokenization off: TRL's colocated
-    path reads only token ids and decodes them itself. Kept on when the recipe asks for it or for stop strings
-    (vLLM refuses `stop` without it)."""
-    return dict(user) if user.get("stop") else {"detokenize": False, **user}
+    """The SamplingParams the recipe's `generation_kwargs` ask for, with vLLM's logprobs flat (a few lists per
+    sequence instead of a dict and an object per token: `extract_logprobs` reads them without a loop over tokens)
+    and its detokenization off (TRL's colocated path reads only token ids and decodes them itself). Detokenization
+    stays on when the recipe asks for it or for stop strings (vLLM refuses `stop` without it)."""
+    kwargs = {"flat_logprobs": True, **user}
+    return kwargs if user.get("stop") else {"detokenize": False, **kwargs}
+
+
+def extract_logprobs(all_outputs) -> tuple[list | None, list | None]:
+    """TRL's `extract_logprobs` (per sequence, per token: [logprob] with NaN as None, [token id]), read straight
+    from vLLM's flat lists when every position holds one entry (the sampled token, TRL's `logprobs=0`); other
+    outputs (nested dicts, top-k entries) go to TRL's function, whose result this equals."""
+    logprobs, token_ids = [], []
+    for request in all_outputs:
+        for output in request.outputs:
+            flat = output.logprobs
+            if flat is None:
+                return None, None
+            values = getattr(flat, "logprobs", None)
+            if not isinstance(values, list) or len(values) != len(flat):
+                return trl_extract_logprobs(all_outputs)
+            logprobs.append([[None if v != v else v] for v in values])  # v != v: NaN
+            token_ids.append([[t] for t in flat.token_ids])
+    return logprobs, token_ids
 
 
 class ColocatedEngine(VLLMGeneration):
@@ -350,12 +373,15 @@ class ColocatedEngine(VLLMGeneration):
 
 
 def install(options: EngineOptions, run_dir: Path | None = None, seed: int = 0) -> type[ColocatedEngine]:
-    """Make TRL's GRPO and RLOO trainers construct a ColocatedEngine configured with `options`; vLLM samples from
-    `seed` (the run's `trainer.seed`) plus the tensor-parallel group's index."""
+    """Make TRL's GRPO and RLOO trainers construct a ColocatedEngine configured with `options` (and TRL's generate
+    read logprobs with `extract_logprobs`); vLLM samples from `seed` (the run's `trainer.seed`) plus the
+    tensor-parallel group's index."""
+    import trl.generation.vllm_generation as trl_vllm
     import trl.trainer.grpo_trainer as grpo
     import trl.trainer.rloo_trainer as rloo
 
     engine = type("ColocatedEngine", (ColocatedEngine,), {"options": options, "run_dir": run_dir, "seed": seed})
     grpo.VLLMGeneration = engine
     rloo.VLLMGeneration = engine
+    trl_vllm.extract_logprobs = extract_logprobs  # what TRL's generate calls on vLLM's outputs
     return engine
