@@ -335,18 +335,30 @@ def profile_targets() -> dict[str, int]:
 
 
 def profiled(fn, *args, **kwargs) -> tuple[Any, dict]:
-    """`fn(*args, **kwargs)` under torch's profiler (CPU and CUDA); its result and `profile_summary`."""
+    """`fn(*args, **kwargs)` under torch's profiler (CPU and CUDA); its result and `profile_summary`. A profiler
+    that fails is recorded as `error` (the call still runs); what `fn` raises propagates."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
+    try:
+        prof = profile(activities=activities)
+        prof.__enter__()
+    except Exception as e:
+        return fn(*args, **kwargs), {"error": repr(e)}
+    start = time.perf_counter()
+    try:
         result = fn(*args, **kwargs)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    finally:
         wall = time.perf_counter() - start
-    return result, profile_summary(prof, wall)
+        try:
+            prof.__exit__(None, None, None)
+            summary = profile_summary(prof, wall)
+        except Exception as e:
+            summary = {"error": repr(e), "wall_s": round(wall, 5)}
+    return result, summary
 
 
 def profile_summary(prof, wall_s: float, top: int = 15) -> dict:
