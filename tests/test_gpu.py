@@ -248,7 +248,7 @@ def test_flat_logprobs_extract_as_trl_does(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    figures = json.loads([line for line in done.stdout.splitlines() if line.startswith('{"tokens"')][-1])
     print(figures)
     assert figures["tokens"] > 0
 
