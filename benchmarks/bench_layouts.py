@@ -3,7 +3,8 @@
 ZeRO-2, plain DDP and TRL's server mode, on the random-init Qwen2.5-1.5B layout (recipes/gpu-1.5b-layout-zero3.yaml
 with --set overrides), digits task, sleep mode on.
 
-Per step: 32 completions of up to 256 tokens (per_device_train_batch_size 16 × 2 ranks, num_generations 8); the
+Per step: 32 completions of up to 256 tokens (`--completion-length`, vLLM's `--max-model-len` 512;
+per_device_train_batch_size 16 × 2 ranks, num_generations 8); the
 larger-batch rows take 256 completions per step (the same micro-batch, gradient_accumulation_steps 8, one
 generation per optimizer step). Server mode: `trl vllm-serve` on GPU 1 and TRL's GRPOTrainer on GPU 0 with
 vllm_mode="server", micro-batch 16 × gradient_accumulation_steps 2 = the same 32 completions per optimizer step
@@ -16,6 +17,8 @@ differences of `wall_s` in the run's metrics.jsonl over the steps after the firs
     python benchmarks/bench_layouts.py --out bench-out                 # all rows, 12 steps each (2 GPUs)
     python benchmarks/bench_layouts.py --out bench-out --rows auto,zero3 --steps 20
     python benchmarks/bench_layouts.py --out bench-out --dry-run       # print the exact commands, run nothing
+    python benchmarks/bench_layouts.py --out bench-out --rows server-256 --completion-length 512 --max-model-len 768
+                                         # TRL's server mode on issue 19's workload (b) (bench_generation.py b256)
 """
 
 from __future__ import annotations
@@ -91,13 +94,15 @@ trainer.train()
 '''
 
 
-def colocated_command(row: str, run_dir: Path, steps: int) -> tuple[list[str], dict[str, str]]:
+def colocated_command(
+    row: str, run_dir: Path, steps: int, completion: int = COMPLETION, max_model_len: int = MAX_MODEL_LEN
+) -> tuple[list[str], dict[str, str]]:
     sets = [
         f"trainer.max_steps={steps}",
         f"trainer.per_device_train_batch_size={MICRO}",
         f"trainer.num_generations={GROUP}",
-        f"trainer.max_completion_length={COMPLETION}",
-        f"generation.max_model_length={MAX_MODEL_LEN}",
+        f"trainer.max_completion_length={completion}",
+        f"generation.max_model_length={max_model_len}",
         f"trainer.seed={SEED}",
         "distributed.nproc_per_node=2",
         "output.save_model=false",
@@ -109,7 +114,7 @@ def colocated_command(row: str, run_dir: Path, steps: int) -> tuple[list[str], d
     return argv, {"CUDA_VISIBLE_DEVICES": "0,1"}
 
 
-def server_commands(out: Path, run_dir: Path, model: Path, steps: int, port: int):
+def server_commands(out: Path, run_dir: Path, model: Path, steps: int, port: int, max_model_len: int = MAX_MODEL_LEN):
     """(vllm-serve argv, env), (trainer argv, env) for the server-mode row."""
     trl = Path(sys.executable).with_name("trl")  # the venv's console script, else TRL's module entry point
     trl_cmd = (
@@ -125,7 +130,7 @@ def server_commands(out: Path, run_dir: Path, model: Path, steps: int, port: int
         "--host",
         "127.0.0.1",
         "--max-model-len",
-        str(MAX_MODEL_LEN),
+        str(max_model_len),
         "--gpu-memory-utilization",
         "0.9",
     ]
@@ -232,11 +237,26 @@ def model_dir(out: Path, dry_run: bool) -> Path:
     return path
 
 
-def bench_row(row: str, out: Path, steps: int, timeout: float, port: int, dry_run: bool) -> dict:
+def bench_row(
+    row: str,
+    out: Path,
+    steps: int,
+    timeout: float,
+    port: int,
+    dry_run: bool,
+    completion: int = COMPLETION,
+    max_model_len: int = MAX_MODEL_LEN,
+) -> dict:
     run_dir = out / "runs" / row
-    result: dict = {"row": row, "completions_per_step": ROWS[row][1], "steps": steps, "run_dir": str(run_dir)}
+    result: dict = {
+        "row": row,
+        "completions_per_step": ROWS[row][1],
+        "max_completion_length": completion,
+        "steps": steps,
+        "run_dir": str(run_dir),
+    }
     if not row.startswith("server"):
-        argv, env = colocated_command(row, run_dir, steps)
+        argv, env = colocated_command(row, run_dir, steps, completion, max_model_len)
         result["command"] = shown(argv, env)
         if dry_run:
             print(f"# {row}\n{result['command']}")
@@ -245,7 +265,9 @@ def bench_row(row: str, out: Path, steps: int, timeout: float, port: int, dry_ru
         result["rc"] = run(argv, env, out / f"{row}.log", timeout)
         result["layout"] = layout_of(run_dir)
     else:
-        (serve, serve_env), (train, train_env) = server_commands(out, run_dir, model_dir(out, dry_run), steps, port)
+        (serve, serve_env), (train, train_env) = server_commands(
+            out, run_dir, model_dir(out, dry_run), steps, port, max_model_len
+        )
         result["command"] = shown(serve, serve_env) + "  &&  " + shown(train, train_env)
         result["layout"] = "server: vLLM on GPU 1, trainer (1 rank, no DeepSpeed) on GPU 0"
         if dry_run:
@@ -256,7 +278,7 @@ def bench_row(row: str, out: Path, steps: int, timeout: float, port: int, dry_ru
             return result
         (out / "server_trainer.py").write_text(
             SERVER_TRAINER
-            % dict(micro=MICRO, accum=ROWS[row][1] // MICRO, group=GROUP, completion=COMPLETION, seed=SEED)
+            % dict(micro=MICRO, accum=ROWS[row][1] // MICRO, group=GROUP, completion=completion, seed=SEED)
         )
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -331,12 +353,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per row (≥ 3; default 12)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per row (default 1200)")
     p.add_argument("--port", type=int, default=8765, help="port of the vLLM server (server row)")
+    p.add_argument(
+        "--completion-length", type=int, default=COMPLETION, help=f"max completion tokens (default {COMPLETION})"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=MAX_MODEL_LEN, help=f"vLLM's max_model_len (default {MAX_MODEL_LEN})"
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands; run nothing, write nothing")
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in rows if r not in ROWS]
     if unknown or args.steps < 3:
         p.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}" if unknown else "--steps: at least 3")
+    if not 0 < args.completion_length < args.max_model_len:
+        p.error(
+            f"--completion-length {args.completion_length} must be positive and below --max-model-len "
+            f"{args.max_model_len} (the prompt needs room too)"
+        )
     out = args.out.absolute()
     if not args.dry_run:
         out.mkdir(parents=True, exist_ok=True)
@@ -345,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dry_run:
             print(f"[bench] {row} …", flush=True)
         try:
-            result = bench_row(row, out, args.steps, args.timeout, args.port, args.dry_run)
+            result = bench_row(
+                row, out, args.steps, args.timeout, args.port, args.dry_run, args.completion_length, args.max_model_len
+            )
         except Exception as e:  # one broken row must not stop the others
             result = {"row": row, "completions_per_step": ROWS[row][1], "ok": False, "rc": None, "error": repr(e)}
         if args.dry_run:

@@ -358,6 +358,29 @@ def test_bench_script_dry_run_prints_every_row(tmp_path):
     assert bad.returncode == 2 and "unknown rows ['zero5']" in bad.stderr
 
 
+def test_bench_script_takes_issue_19s_workload_b_shape(tmp_path):
+    """--completion-length / --max-model-len reach the colocated recipe, vLLM's server and TRL's server-mode
+    trainer (workload (b): 512 completion tokens); a length with no room for the prompt is refused."""
+    B = import_benchmark("bench_layouts")
+    argv, _ = B.colocated_command("auto-256", tmp_path / "run", 12, 512, 768)
+    assert "trainer.max_completion_length=512" in argv and "generation.max_model_length=768" in argv
+    (serve, _), _ = B.server_commands(tmp_path, tmp_path / "run", tmp_path / "model", 12, 8765, 768)
+    assert serve[serve.index("--max-model-len") + 1] == "768"
+    trainer = B.SERVER_TRAINER % dict(micro=16, accum=16, group=8, completion=512, seed=0)
+    assert "max_completion_length=512" in trainer and "gradient_accumulation_steps=16" in trainer
+    bad = subprocess.run(
+        [sys.executable, "benchmarks/bench_layouts.py", "--out", str(tmp_path / "b"), "--dry-run"]
+        + ["--completion-length", "512", "--max-model-len", "512"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert (
+        bad.returncode == 2 and "--completion-length 512 must be positive and below --max-model-len 512" in bad.stderr
+    )
+
+
 def test_bench_results_from_metrics(tmp_path):
     """The s/step statistic: median of wall_s differences after the first step; time/* medians likewise."""
     B = import_benchmark("bench_layouts")
