@@ -16,11 +16,15 @@ if os.environ.get("COLOCATE_BENCH_PROBE") == "1" and "colocate_rl.worker" in " "
     import importlib.abc
     import importlib.machinery
 
-    PATCHED = ("colocate_rl.rank.vllm_engine", "trl.generation.vllm_generation", "trl.trainer.grpo_trainer")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        import generation_vllm  # standard library only at import
+    finally:
+        sys.path.pop(0)
 
     class _Finder(importlib.abc.MetaPathFinder):
         def __init__(self):
-            self.pending = set(PATCHED)
+            self.pending = set(generation_vllm.PATCHES)
 
         def find_spec(self, name, path, target=None):
             if name not in self.pending:
@@ -33,11 +37,6 @@ if os.environ.get("COLOCATE_BENCH_PROBE") == "1" and "colocate_rl.worker" in " "
 
             def exec_module(module):
                 run(module)
-                sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-                try:
-                    import generation_vllm
-                finally:
-                    sys.path.pop(0)
                 generation_vllm.PATCHES[name](module)
 
             spec.loader.exec_module = exec_module
