@@ -1,12 +1,14 @@
-"""colocate-rl's colocated engine (colocate_rl/engine.py) without a GPU.
+"""colocate-rl's colocated vLLM engine (colocate_rl/rank/vllm_engine.py) without a GPU.
 
 vLLM cannot be installed on CPU machines, so `FakeLLM` stands in for `vllm.LLM`: it records the lifecycle calls
 (wake_up, sleep, reset_prefix_cache) and its "model" is a copy of the trainer's model whose `load_weights`
 copies tensors by name (real vLLM fuses q/k/v and gate/up; the names checked by the engine are unfused ones).
-Everything else is real: TRL's VLLMGeneration base class and DistributedBackend, torch modules, and in the
-ZeRO-3 test real DeepSpeed partitioning over two torchrun ranks (gloo). The GPU tests run the real vLLM.
+vLLM's generate call (which builds its SamplingParams) is replaced by a recorder. Everything else is real: the
+engine's cycle, torch modules, TRL's DistributedBackend, and in the ZeRO-3 test real DeepSpeed partitioning over two
+torchrun ranks (gloo). The GPU tests run the real vLLM.
 """
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -69,9 +71,17 @@ class FakeLLM:
         self.events = events
         runner = type("Runner", (), {})()
         runner.model = FakeVllmModel(model, events)
-        self.llm_engine = type("Eng", (), {})()
+        self.llm_engine = type("Eng", (), {"vllm_config": self.vllm_config})()
         self.llm_engine.model_executor = type("Exec", (), {})()
         self.llm_engine.model_executor.driver_worker = type("W", (), {"model_runner": runner})()
+
+    vllm_config = SimpleNamespace(  # what colocate_rl.rank.adapter.vllm.built_config reads
+        model_config=SimpleNamespace(enforce_eager=False, enable_sleep_mode=True, max_model_len=64),
+        cache_config=SimpleNamespace(
+            enable_prefix_caching=True, gpu_memory_utilization=0.3, kv_cache_memory_bytes=None
+        ),
+        scheduler_config=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=4096),
+    )
 
     @property
     def vllm_model(self):
@@ -93,29 +103,29 @@ def engine_options(**changes) -> EngineOptions:
 
 
 def make_engine(monkeypatch, model, events, **options):
-    """A ColocatedEngine as TRL's trainer holds it after `_init_vllm`, without running vLLM's constructor."""
-    from trl.distributed import DistributedBackend
-
-    # TRL's VLLMGeneration.__init__ starts vLLM, which cannot run here: the engine's own state comes from its
-    # _reset_cycle_state (what __init__ runs), TRL's fields the engine reads are set by hand.
-    cls = type("ColocatedEngine", (E.ColocatedEngine,), {"options": engine_options(**options)})
-    eng = object.__new__(cls)
-    eng._reset_cycle_state()
-    dist = object.__new__(DistributedBackend)
-    dist.zero_stage, dist.fsdp_version = 0, None
-    eng.mode, eng.model, eng._dist, eng.tensor_parallel_size = "colocate", model, dist, 1
-    eng.llm = FakeLLM(model, events)
-    if eng.sleep_level:
-        eng._sleep()  # as _init_vllm does right after the engine starts
-    events.clear()
-
-    def parent_generate(self, prompts, images, num_generations, profiler=None):
-        events.append(("generate", len(prompts)))
-        return [[1]], [[2]], None, None
-
-    monkeypatch.setattr(E.VLLMGeneration, "generate", parent_generate)
+    """A VLLMEngine started on a FakeLLM: vLLM cannot run on CPU, so its LLM is this double and its generate call
+    (which builds vLLM's SamplingParams) records the prompts instead."""
+    eng = E.VLLMEngine(
+        model,
+        SimpleNamespace(num_processes=1, process_index=0, local_process_index=0, wait_for_everyone=lambda: None),
+        engine_options(**options),
+        {"tensor_parallel_size": 1},
+        gather=lambda params: contextlib.nullcontext(),
+    )
+    monkeypatch.setattr(eng, "_new_llm", lambda: FakeLLM(model, events))
     monkeypatch.setattr(E, "empty_cache", lambda: events.append(("empty_cache",)))
+    eng.start()  # as the trainer starts it: at sleep level 1 or 2 it goes to sleep at once
+
+    def generate(prompt_ids, sampling):
+        events.append(("generate", len(prompt_ids)))
+        return E.Generation([[1]] * len(prompt_ids), [[-0.5]] * len(prompt_ids))
+
+    monkeypatch.setattr(eng, "_generate", generate)
+    events.clear()
     return eng
+
+
+SAMPLING = E.Sampling(max_tokens=8)
 
 
 # ---------------------------------------------------------------------------------------------- pure helpers
@@ -159,22 +169,6 @@ def test_compare_weights_reports_differences_shapes_and_missing_tensors():
     )
 
 
-def test_install_makes_both_trainers_build_the_engine_with_the_options():
-    import trl.generation.vllm_generation as trl_vllm
-    import trl.trainer.grpo_trainer as grpo
-    import trl.trainer.rloo_trainer as rloo
-
-    before = grpo.VLLMGeneration, rloo.VLLMGeneration, trl_vllm.extract_logprobs
-    try:
-        options = engine_options(sleep_level=1, enforce_eager=True)
-        cls = E.install(options, Path("/runs/r"), seed=7)
-        assert grpo.VLLMGeneration is cls and rloo.VLLMGeneration is cls and issubclass(cls, E.VLLMGeneration)
-        assert cls.options is options and cls.run_dir == Path("/runs/r") and cls.seed == 7
-        assert trl_vllm.extract_logprobs is E.extract_logprobs  # TRL's generate looks it up at each call
-    finally:
-        grpo.VLLMGeneration, rloo.VLLMGeneration, trl_vllm.extract_logprobs = before
-
-
 def test_llm_kwargs_carry_the_recipe_options(monkeypatch):
     eng = make_engine(
         monkeypatch,
@@ -186,11 +180,10 @@ def test_llm_kwargs_carry_the_recipe_options(monkeypatch):
         enable_prefix_caching=False,
         kv_cache_memory_bytes=12 * 2**30,
     )
-    eng.accelerator = type("A", (), {"process_index": 3})()
+    eng.accelerator = SimpleNamespace(process_index=3)
     eng.model.name_or_path = "/m"
-    eng.gpu_memory_utilization, eng.max_model_length, eng.max_num_seqs = 0.4, 512, 64
-    eng.model_impl, eng.trust_remote_code = "auto", False
-    eng.seed = 40  # trainer.seed, set by install()
+    eng.llm_args.update(gpu_memory_utilization=0.4, max_model_len=512, max_num_seqs=64)
+    eng.seed = 40  # trainer.seed
     kwargs = eng.llm_kwargs()
     assert kwargs == dict(
         model="/m",
@@ -212,21 +205,35 @@ def test_llm_kwargs_carry_the_recipe_options(monkeypatch):
 
 
 def test_sampling_asks_for_flat_logprobs_and_no_text_unless_asked_or_needed_for_stop_strings():
-    """TRL's colocated path reads token ids only, so vLLM need not build the text; a recipe's own `detokenize` and
-    stop strings (which vLLM refuses without detokenization) keep it on. Logprobs come flat unless the recipe says
-    otherwise."""
-    flat = {"flat_logprobs": True}
-    assert E.sampling_kwargs({}) == {"detokenize": False, **flat}
-    assert E.sampling_kwargs({"top_k": 5}) == {"detokenize": False, "top_k": 5, **flat}
-    assert E.sampling_kwargs({"detokenize": True}) == {"detokenize": True, **flat}
-    assert E.sampling_kwargs({"stop": ["\n\n"]}) == {"stop": ["\n\n"], **flat}
-    assert E.sampling_kwargs({"stop": [], "seed": 1}) == {"detokenize": False, "stop": [], "seed": 1, **flat}
-    assert E.sampling_kwargs({"flat_logprobs": False}) == {"detokenize": False, "flat_logprobs": False}
+    """Only token ids are read, so vLLM need not build the text; a recipe's own `detokenize` and stop strings (which
+    vLLM refuses without detokenization) keep it on. Logprobs come flat unless the recipe says otherwise."""
+    base = {
+        "n": 1,
+        "repetition_penalty": 1.0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "max_tokens": 8,
+        "logprobs": 0,
+        "flat_logprobs": True,
+    }
+
+    def kwargs(extra):
+        return E.sampling_kwargs(dataclasses.replace(SAMPLING, extra=extra))
+
+    assert kwargs({}) == {"detokenize": False, **base}
+    assert kwargs({"top_k": 5}) == {"detokenize": False, **base, "top_k": 5}
+    assert kwargs({"detokenize": True}) == {**base, "detokenize": True}
+    assert kwargs({"stop": ["\n\n"]}) == {**base, "stop": ["\n\n"]}
+    assert kwargs({"stop": [], "seed": 1}) == {"detokenize": False, **base, "stop": [], "seed": 1}
+    assert kwargs({"flat_logprobs": False}) == {"detokenize": False, **base, "flat_logprobs": False}
+    assert E.sampling_kwargs(SAMPLING.at_temperature(0))["temperature"] == 0  # greedy (evaluation)
 
 
 # vLLM cannot be installed on CPU machines, so these doubles copy vLLM 0.26's output shapes (vllm/logprobs.py:
 # FlatLogprobs, a Sequence of positions over flat lists; the nested form, a list of {token id: Logprob}); the GPU
-# test test_flat_logprobs_extract_as_trl_does checks the real ones.
+# test test_flat_logprobs_read_as_trl_does checks the real ones.
 @dataclasses.dataclass
 class FlatLogprobs:
     start_indices: list = dataclasses.field(default_factory=list)
@@ -268,34 +275,34 @@ def vllm_outputs(positions_per_sequence: list[list[list[tuple[int, float, int]]]
                 logprobs.append(entries)
         else:
             logprobs = [{t: SimpleNamespace(logprob=lp, rank=r) for t, lp, r in entries} for entries in positions]
-        outputs.append(SimpleNamespace(outputs=[SimpleNamespace(logprobs=logprobs)]))
+        sampled = [entries[0][0] for entries in positions]  # the sampled token comes first in these doubles
+        outputs.append(SimpleNamespace(outputs=[SimpleNamespace(logprobs=logprobs, token_ids=sampled)]))
     return outputs
 
 
 SAMPLED = [[[(5, -0.5, 3)], [(9, float("nan"), 1)], [(2, -1.25, 7)]], [[(4, -0.0, 1)]]]  # logprobs=0: one entry
 
 
-def test_flat_logprobs_extract_as_trl_does_without_a_dict_per_token():
+def test_flat_logprobs_are_read_as_trl_reads_them_without_a_dict_per_token():
     from trl.generation.vllm_generation import extract_logprobs as trl_extract
 
     outputs = vllm_outputs(SAMPLED)
-    logprobs, token_ids = E.extract_logprobs(outputs)
-    assert logprobs == [[[-0.5], [None], [-1.25]], [[-0.0]]] and token_ids == [[[5], [9], [2]], [[4]]]
-    assert (logprobs, token_ids) == trl_extract(outputs) == trl_extract(vllm_outputs(SAMPLED, flat=False))
+    out = E.read_outputs(outputs)
+    assert out.completion_ids == [[5, 9, 2], [4]] and out.logprobs == [[-0.5, None, -1.25], [-0.0]]
+    trl_logprobs, _ = trl_extract(vllm_outputs(SAMPLED, flat=False))
+    assert out.logprobs == [[lp[0] for lp in seq] for seq in trl_logprobs]  # what TRL's generation step keeps
     FlatLogprobs.positions_read = 0
-    E.extract_logprobs(outputs)
+    E.read_outputs(outputs)
     assert FlatLogprobs.positions_read == 0  # read from the flat lists
 
 
-def test_other_logprobs_go_to_trls_extraction():
-    from trl.generation.vllm_generation import extract_logprobs as trl_extract
-
-    top2 = [[[(5, -0.5, 3), (7, -0.1, 1), (5, -0.5, 2)]], [[(4, -0.2, 1), (8, -3.0, 2)]]]  # the sampled one + top-k
-    for outputs in (vllm_outputs(top2), vllm_outputs(SAMPLED, flat=False)):
-        assert E.extract_logprobs(outputs) == trl_extract(outputs)
-    assert E.extract_logprobs(vllm_outputs(top2))[1] == [[[7, 5]], [[4, 8]]]  # sorted by rank, as TRL sorts
-    no_logprobs = [SimpleNamespace(outputs=[SimpleNamespace(logprobs=None)])]
-    assert E.extract_logprobs(no_logprobs) == (None, None)
+def test_top_k_and_nested_logprobs_give_the_sampled_tokens():
+    top2 = [[[(5, -0.5, 3), (7, -0.1, 1)]], [[(4, -0.2, 1), (8, -3.0, 2)]]]  # the sampled one + top-k
+    for outputs in (vllm_outputs(top2), vllm_outputs(top2, flat=False)):
+        assert E.read_outputs(outputs).logprobs == [[-0.5], [-0.2]]
+    assert E.read_outputs(vllm_outputs(SAMPLED, flat=False)).logprobs == [[-0.5, None, -1.25], [-0.0]]
+    no_logprobs = [SimpleNamespace(outputs=[SimpleNamespace(logprobs=None, token_ids=[3])])]
+    assert E.read_outputs(no_logprobs) == E.Generation([[3]], None)
 
 
 # ---------------------------------------------------------------------------------------------- the cycle
@@ -314,27 +321,27 @@ CYCLE_LEVEL2 = [
 def test_level2_cycle_order_and_push_after_every_wake(monkeypatch):
     events = []
     eng = make_engine(monkeypatch, tiny_model(), events, sleep_level=2)
-    eng.sync_weights()  # TRL calls this when the step changed, then generate
-    eng.generate([[1], [2]], None, 2)
+    eng.push_weights()  # the trainer calls this when the step changed, then generate
+    eng.generate([[1], [2]], SAMPLING)
     assert events == CYCLE_LEVEL2
     assert eng.last_check == E.check_names([n for n, _ in eng.model.named_parameters()], 1)
     events.clear()
-    eng.generate([[1], [2]], None, 2)  # a second generation in the same step: level 2 dropped the weights
+    eng.generate([[1], [2]], SAMPLING)  # a second generation in the same step: level 2 dropped the weights
     assert events == CYCLE_LEVEL2
 
 
 def test_level1_keeps_weights_across_sleep_and_level0_never_sleeps(monkeypatch):
     events = []
     eng = make_engine(monkeypatch, tiny_model(), events, sleep_level=1)
-    eng.sync_weights()
-    eng.generate([[1]], None, 1)
+    eng.push_weights()
+    eng.generate([[1]], SAMPLING)
     events.clear()
-    eng.generate([[1]], None, 1)  # same step again: wake the CPU copy, no push
+    eng.generate([[1]], SAMPLING)  # same step again: wake the CPU copy, no push
     assert events == [("empty_cache",), ("wake", ("weights",)), ("wake", ("kv_cache",)), ("generate", 1), ("sleep", 1)]
     events.clear()
     eng = make_engine(monkeypatch, tiny_model(), events, sleep_level=0, check_weights=False)
-    eng.sync_weights()
-    eng.generate([[1]], None, 1)
+    eng.push_weights()
+    eng.generate([[1]], SAMPLING)
     assert events == [("load", 38), ("reset_prefix_cache",), ("generate", 1)]
 
 
@@ -343,7 +350,7 @@ def test_small_buckets_split_the_push_into_several_loads(monkeypatch):
     model = tiny_model()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     eng = make_engine(monkeypatch, model, events, sleep_level=0, bucket_bytes=total // 4)
-    eng.sync_weights()
+    eng.push_weights()
     loads = eng.llm.vllm_model.loads
     assert len(loads) >= 4 and sorted(n for load in loads for n in load) == sorted(
         n for n, _ in model.named_parameters()
@@ -354,15 +361,15 @@ def test_stale_weights_stop_the_run(monkeypatch):
     events = []
     model = tiny_model()
     eng = make_engine(monkeypatch, model, events, sleep_level=1)
-    eng.sync_weights()
+    eng.push_weights()
     with torch.no_grad():  # the trainer takes a step ...
         for p in model.parameters():
             p.add_(0.01)
     eng.llm.vllm_model.drop = True  # ... and the push does not reach vLLM
     with pytest.raises(E.StaleWeightsError, match=r"model\.norm\.weight differs \(max abs difference 0\.01"):
-        eng.sync_weights()
+        eng.push_weights()
     eng.llm.vllm_model.drop = False
-    eng.sync_weights()  # a working push passes the check again
+    eng.push_weights()  # a working push passes the check again
 
 
 class FakeDeepSpeedEngine:
@@ -379,14 +386,13 @@ class FakeDeepSpeedEngine:
 def test_trainer_states_leave_the_gpu_while_vllm_generates(monkeypatch):
     events = []
     eng = make_engine(monkeypatch, tiny_model(), events, sleep_level=2, offload_trainer=True, check_weights=False)
-    eng.accelerator = type("A", (), {})()
-    eng.generate([[1]], None, 1)  # before the first step DeepSpeed is not prepared: nothing to offload
+    eng.generate([[1]], SAMPLING)  # before the first step DeepSpeed is not prepared: nothing to offload
     assert ("offload",) not in [e[:1] for e in events]
     events.clear()
     ds = FakeDeepSpeedEngine(events)
-    eng.accelerator.deepspeed_engine_wrapped = type("Wrapped", (), {"engine": ds})()
-    eng.sync_weights()
-    eng.generate([[1]], None, 1)
+    eng.accelerator.deepspeed_engine_wrapped = SimpleNamespace(engine=ds)
+    eng.push_weights()
+    eng.generate([[1]], SAMPLING)
     assert events[-6:] == [
         ("offload", E.OFFLOADED_STATES),
         ("empty_cache",),
@@ -405,7 +411,8 @@ ZERO3_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_engine import tiny_model, FakeLLM
     from colocate_rl.rank import vllm_engine as E
-    from trl.distributed import DistributedBackend
+    from colocate_rl.rank.adapter.trl import gather_params
+    import transformers.models.qwen2.modeling_qwen2  # imported before zero.Init patches torch's constructors
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = {{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": 3,
@@ -416,15 +423,13 @@ ZERO3_SCRIPT = textwrap.dedent("""
     sharded = [n for n, p in model.named_parameters() if p.numel() == 0]
     events = []
     from test_engine import engine_options
-    cls = type("ColocatedEngine", (E.ColocatedEngine,), {{"options": engine_options(sleep_level=0,
-               bucket_bytes=int(sys.argv[1]))}})
-    eng = object.__new__(cls)
-    eng._reset_cycle_state()
-    dist = object.__new__(DistributedBackend)
-    dist.zero_stage, dist.fsdp_version = 3, None
-    eng.mode, eng.model, eng._dist, eng.tensor_parallel_size = "colocate", model, dist, 1
+    from types import SimpleNamespace
+    # what TRL's DistributedBackend reads of accelerate's state: the ZeRO stage of DeepSpeed's plugin
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+    eng = E.VLLMEngine(model, accelerator, engine_options(sleep_level=0, bucket_bytes=int(sys.argv[1])),
+                       {{"tensor_parallel_size": 1}}, gather_params(accelerator))
     eng.llm = FakeLLM(tiny_model(seed=2), events)  # vLLM starts with other weights
-    eng.sync_weights()
+    eng.push_weights()
     got = dict(eng.llm.vllm_model.named_parameters())
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         same = all(torch.equal(got[n], p.data) for n, p in model.named_parameters())
@@ -435,7 +440,7 @@ ZERO3_SCRIPT = textwrap.dedent("""
         for p in model.parameters():
             p.add_(1.0)
     try:
-        eng.sync_weights()
+        eng.push_weights()
         stale = "not detected"
     except E.StaleWeightsError as e:
         stale = str(e)[:60]

@@ -177,13 +177,16 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_evaluate_on_a_real_trainer(tiny, tmp_path, algorithm):
-    """One process, CPU, transformers generation: greedy is repeatable, the weighted sum is TRL's, the training
-    metrics and token count are untouched, and the generation config is restored."""
+    """One process, CPU, colocate-rl's trainer generating through the transformers engine: greedy is repeatable, the
+    weighted sum is TRL's, the training metrics and token count are untouched, and the generation config is left as
+    it was."""
     import torch
     import trl
 
     from colocate_rl.builtin_model import load_tokenizer
+    from colocate_rl.rank.adapter import engine_trainer
     from colocate_rl.rank.evaluation import evaluate
+    from colocate_rl.rank.hf_engine import transformers_engine
     from colocate_rl.rewards import resolve_reward
 
     Config, Trainer = (trl.GRPOConfig, trl.GRPOTrainer) if algorithm == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
@@ -200,12 +203,13 @@ def test_evaluate_on_a_real_trainer(tiny, tmp_path, algorithm):
     )
     rewards = [resolve_reward("digit_share", key="r"), resolve_reward("length_penalty", key="r")]
     dataset = load_eval_prompts(None, train_source="builtin:digits", num_samples=5)
-    trainer = Trainer(
+    trainer = engine_trainer(Trainer)(
         model=str(tiny),
         reward_funcs=rewards,
         args=config,
         train_dataset=dataset,
         processing_class=load_tokenizer(tiny),
+        engine_factory=transformers_engine,
     )
     saved = trainer.generation_config
     trainer.model.train()  # as between two training steps

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from colocate_rl.rank.telemetry import Telemetry
-from colocate_rl.rank.worker import merge_telemetry_into_logs
+from colocate_rl.rank.worker import telemetry_extras
 
 
 class Clock:
@@ -84,17 +84,19 @@ def test_wrap_times_a_method_and_keeps_its_result(tmp_path):
 
 
 def test_telemetry_reaches_trl_logs_with_tokens_per_second(tmp_path):
-    seen = {}
+    """What colocate-rl's trainer merges into each log record (its `log` calls `log_extras`; TRL's private metric
+    store is read through colocate_rl.rank.adapter.trl.step_metric)."""
     trainer = SimpleNamespace(
-        log=lambda logs, start_time=None: seen.update(logs),
         _metrics={"train": {"completions/mean_length": [10.0, 30.0]}},
         args=SimpleNamespace(generation_batch_size=16),
     )
     tel = Telemetry(tmp_path)
-    merge_telemetry_into_logs(trainer, tel)
+    extras = telemetry_extras(tel)
     tel.pending = {"time/generate_s": 0.5, "time/step_s": 1.0}
-    trainer.log({"loss": 0.1})
-    assert seen == {"loss": 0.1, "time/generate_s": 0.5, "time/step_s": 1.0, "gen/tokens_per_s": 640.0}
-    seen.clear()
-    trainer.log({"train_runtime": 3.0})  # the end-of-run record gets no step telemetry
-    assert seen == {"train_runtime": 3.0} and tel.pending == {}
+    assert extras(trainer, {"loss": 0.1}) == {
+        "loss": 0.1,
+        "time/generate_s": 0.5,
+        "time/step_s": 1.0,
+        "gen/tokens_per_s": 640.0,
+    }
+    assert tel.pending == {} and extras(trainer, {"loss": 0.2}) == {"loss": 0.2}  # merged once

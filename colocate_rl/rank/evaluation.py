@@ -7,11 +7,12 @@ step's end (not at a stop request's), calls `evaluate`:
 
 - each rank takes an equal share of the prompts (the last ranks' shares padded with the last prompt, left out of
   the scores): generation and the gathers below are collectives;
-- one completion per prompt through the trainer's own generation path, `_generate` (the colocated vLLM engine, its
-  weights synced to the current step first; or transformers' `generate`, ZeRO-3 parameters gathered) at
-  `eval.temperature`, 0 = greedy; the model is in eval mode, so TRL files its length metrics under "eval" (dropped);
-- scored by the trainer's reward functions through `_calculate_rewards` (dataset columns as keyword arguments, as in
-  training; gathered over the ranks); what rewards log through `log_extra`/`log_metric` meanwhile is dropped;
+- prompts tokenised as TRL's generation step does, one completion per prompt from the trainer's generation engine
+  (`colocate_rl.rank.engine`: the colocated vLLM engine, its weights pushed for the current step first; or
+  transformers' `generate`, ZeRO-3 parameters gathered, a training generation batch per call) at `eval.temperature`,
+  0 = greedy; decoded as TRL decodes completions (a chat prompt's completion is one assistant message);
+- scored by the trainer's reward functions as in training (dataset columns as keyword arguments; gathered over the
+  ranks); what rewards log through `log_extra`/`log_metric` meanwhile is dropped (colocate_rl.rank.adapter.trl);
 - logged as `eval/<reward>` (mean of each reward function, named as TRL names it in `rewards/<name>/mean`),
   `eval/reward` (mean weighted sum, the recipe's weights), `eval/completion_length` and `time/eval_s` through
   transformers' `Trainer.log`, which reaches metrics.jsonl and every `report_to` backend. (TRL's own `log` would
@@ -23,15 +24,14 @@ sampling as it was. Errors of the reward functions stop the run as they do in tr
 
 from __future__ import annotations
 
-import copy
 import math
 import time
-from contextlib import contextmanager
-from typing import Any
 
 import torch
 
 from colocate_rl.prompts import load_eval_prompts, source_kind
+from colocate_rl.rank.adapter import trl as trl_adapter
+from colocate_rl.rank.engine import Sampling
 from colocate_rl.recipe.schema import Recipe
 
 RESERVED_NAMES = ("reward", "completion_length")  # eval/<name> keys of their own
@@ -70,38 +70,13 @@ def metric_names(reward_func_names: list[str]) -> list[str]:
     ]
 
 
-@contextmanager
-def sampling_at(trainer, temperature: float):
-    """The trainer's generation at `temperature` (0: greedy) for the duration: vLLM's sampling temperature, or a
-    copy of transformers' generation config."""
-    engine = getattr(trainer, "vllm_generation", None) if trainer.use_vllm else None
-    if engine is not None:
-        saved = engine.temperature
-        engine.temperature = temperature  # vLLM samples greedily at temperature 0
-        try:
-            yield
-        finally:
-            engine.temperature = saved
-        return
-    changes: dict[str, Any] = {"temperature": temperature}
-    if temperature == 0:
-        changes = dict(do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None)
-    saved_config, saved_kwargs = trainer.generation_config, trainer.generation_kwargs
-    config = copy.deepcopy(saved_config)
-    for key, value in changes.items():
-        setattr(config, key, value)
-    trainer.generation_config, trainer.generation_kwargs = config, {**saved_kwargs, **changes}
-    try:
-        yield
-    finally:
-        trainer.generation_config, trainer.generation_kwargs = saved_config, saved_kwargs
+def completions_of(rows: list[dict], texts: list[str]) -> list:
+    """Completions as TRL hands them to rewards: a chat prompt's completion is one assistant message."""
+    from trl.data_utils import is_conversational
 
-
-def _generate(trainer, prompts: list) -> tuple[list, list]:
-    """(completion ids, completions) of one completion per prompt, through TRL's `_generate` (GRPO returns eight
-    values, RLOO three)."""
-    out = trainer._generate(prompts)
-    return out[1], out[3] if len(out) == 8 else out[2]
+    if rows and is_conversational(rows[0]):
+        return [[{"role": "assistant", "content": text}] for text in texts]
+    return texts
 
 
 def evaluate(trainer, dataset, temperature: float) -> dict[str, float | None]:
@@ -112,25 +87,19 @@ def evaluate(trainer, dataset, temperature: float) -> dict[str, float | None]:
     first = accelerator.process_index * share
     rows = [dataset[min(i, n - 1)] for i in range(first, first + share)]
     prompts = [row["prompt"] for row in rows]
-    # transformers' generate takes at most a training generation batch per call; vLLM takes all at once (each call
-    # wakes it, and at sleep level 2 pushes the weights again)
-    chunk = share if trainer.use_vllm else trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
+    sampling = Sampling.from_args(trainer.args).at_temperature(temperature)
     model, was_training = trainer.model, trainer.model.training
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    completion_ids, completions = [], []
-    with torch.random.fork_rng(devices=devices), sampling_at(trainer, temperature):
+    with torch.random.fork_rng(devices=devices):
         model.eval()
         try:
-            for i in range(0, share, chunk):
-                ids, texts = _generate(trainer, prompts[i : i + chunk])
-                completion_ids += ids
-                completions += texts
+            prompt_ids = trl_adapter.tokenize_prompts(trainer, prompts)
+            completion_ids = trainer.generate_completions(prompt_ids, sampling).completion_ids
         finally:
             model.train(was_training)
-            trainer._metrics["eval"].clear()
-    rewards = trainer._calculate_rewards(rows, prompts, completions, completion_ids)[:n].float().cpu()
-    trainer._pending_metrics.clear()
-    trainer._pending_extra_logs.clear()
+    texts = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+    completions = completions_of(rows, texts)
+    rewards = trl_adapter.calculate_rewards(trainer, rows, prompts, completions, completion_ids)[:n].float().cpu()
     lengths = accelerator.gather(torch.tensor([len(ids) for ids in completion_ids], device=accelerator.device))
     total = (rewards * trainer.reward_weights.float().cpu()).nansum(dim=1)  # as TRL sums them in training
     metrics: dict[str, float | None] = {}
@@ -146,7 +115,7 @@ def evaluate(trainer, dataset, temperature: float) -> dict[str, float | None]:
 def make_eval_callback(recipe: Recipe):
     """The evaluation as a TrainerCallback (its `trainer` set once the trainer exists), or None when eval is off.
     Loads the held-out prompts: UserError naming the eval key when they cannot be loaded."""
-    from transformers import Trainer, TrainerCallback
+    from transformers import TrainerCallback
 
     ev = recipe.eval
     if ev.every_steps is None:
@@ -159,7 +128,7 @@ def make_eval_callback(recipe: Recipe):
         def _evaluate_and_log(self, control) -> None:
             metrics = evaluate(self.trainer, dataset, ev.temperature)
             should_log = control.should_log  # on_log clears it: the step's training record is still to come
-            Trainer.log(self.trainer, {k: v for k, v in metrics.items() if v is not None})
+            trl_adapter.log_outside_step(self.trainer, {k: v for k, v in metrics.items() if v is not None})
             control.should_log = self.trainer.control.should_log = should_log
 
         def on_train_begin(self, args, state, control, **kwargs):

@@ -1,8 +1,10 @@
 """Per-rank telemetry: where each step's time and memory go.
 
-`Telemetry.instrument(trainer)` wraps, in place, the TRL trainer's and its colocated vLLM engine's
-methods so that every phase of a step is timed (exclusive seconds; phases nest, e.g. `generate`
-contains `wake`, `weight_sync` and `sleep`) and the memory is read at each phase boundary. A daemon
+`Telemetry.instrument(trainer)` hands its `phase` timer to the trainer (colocate-rl's TRL subclass times
+`train`, `prepare`, `generate` and `reward`: colocate_rl.rank.adapter.trl) and to its generation engine
+(`weight_sync`, `weight_check`, `wake`, `sleep`, `offload`, `reload`), so that every phase of a step is timed
+(exclusive seconds; phases nest, e.g. `generate` contains `wake`, `weight_sync` and `sleep`) and the memory is
+read at each phase boundary. The optimizer step is wrapped on the optimizer (or DeepSpeed engine) itself. A daemon
 thread samples memory at ~10 Hz for the step's peak. Each rank writes `timeline/rank<N>.jsonl`
 (samples, phase edges, step ends); `step_end()` returns the step's metrics, which the worker merges
 into TRL's logs (so they reach metrics.jsonl and any `report_to` backend).
@@ -28,24 +30,6 @@ from colocate_rl.rundir import RunDir
 from colocate_rl.telemetry.timeline import Timeline
 
 GIB = 2**30
-
-# What `instrument` wraps, method name → phase name. Most are TRL's private methods, looked up by name and skipped
-# when absent, so tests/test_recipe.py::test_trl_private_hooks_exist checks them against the installed TRL.
-TRAINER_PHASES = {  # on GRPOTrainer and RLOOTrainer
-    "training_step": "train",
-    "_generate_and_score_completions": "prepare",
-    "_generate_single_turn": "generate",
-    "_calculate_rewards": "reward",
-}
-ENGINE_ATTR = "vllm_generation"  # the trainer's vLLM engine (TRL's VLLMGeneration or colocate-rl's ColocatedEngine)
-ENGINE_PHASES = {
-    "sync_weights": "weight_sync",  # TRL's VLLMGeneration (and so colocate-rl's engine)
-    "check_weights": "weight_check",  # colocate-rl's engine (colocate_rl/rank/vllm_engine.py) only
-    "_offload_trainer": "offload",  # colocate-rl's engine only
-    "_reload_trainer": "reload",  # colocate-rl's engine only
-}
-LLM_ATTR = "llm"  # the engine's vllm.LLM, in colocate mode only
-LLM_PHASES = {"wake_up": "wake", "sleep": "sleep"}  # vllm.LLM's public methods
 
 
 def _nvml_handle(device_index: int):
@@ -177,7 +161,7 @@ class Telemetry:
     # ------------------------------------------------------------------ lifecycle
 
     def instrument(self, trainer) -> None:
-        """Open this rank's timeline, start the sampler and wrap the trainer's and engine's phases."""
+        """Open this rank's timeline, start the sampler and hand the phase timer to the trainer and its engine."""
         import torch
 
         self.cuda = torch.cuda.is_available()
@@ -194,16 +178,8 @@ class Telemetry:
             device = f"cuda:{torch.cuda.current_device()}" if self.cuda else "cpu"
             head = {"rank": rank, "device": device, "unit": "GiB", "t0": self.t0, "pid": os.getpid()}
             self._file.write(json.dumps(head) + "\n")
-        for attr, name in TRAINER_PHASES.items():
-            self.wrap(trainer, attr, name)
-        engine = getattr(trainer, ENGINE_ATTR, None)
-        if engine is not None:
-            for attr, name in ENGINE_PHASES.items():  # the colocate-rl-only ones are absent on TRL's engine
-                self.wrap(engine, attr, name)
-            llm = getattr(engine, LLM_ATTR, None)  # colocate mode only
-            if llm is not None:
-                for attr, name in LLM_PHASES.items():
-                    self.wrap(llm, attr, name)
+        trainer.phase = self.phase  # colocate-rl's trainer and engine time their own phases with it
+        trainer.engine.phase = self.phase
         threading.Thread(target=self._sample, daemon=True).start()
 
     def instrument_optimizer(self, trainer) -> None:

@@ -1,14 +1,13 @@
-"""colocate-rl's colocated vLLM engine: TRL 1.16's `VLLMGeneration` with the engine's lifecycle owned here.
+"""colocate-rl's colocated vLLM engine: vLLM in the rank's own process, beside the trainer, on the same GPU.
 
-`install(options)` makes TRL's GRPO and RLOO trainers build `ColocatedEngine` instead of TRL's class (trl is
-pinned exactly: this relies on its internals). Per step, on every rank, the cycle is:
+A `GenerationEngine` (colocate_rl.rank.engine). Per step, on every rank, the cycle is:
 
     trainer cache emptied → wake weights → push the trainer's weights (bucketed) → check them → reset the prefix
     cache → [offload trainer states] → wake KV cache → generate → sleep → [reload trainer states]
 
 - Sleep level (`generation.sleep_level`): 0 = vLLM keeps its memory; 1 = weights copied to CPU, KV cache freed;
-  2 = weights and KV cache freed (default: cheapest to sleep and wake; the push refills the weights anyway).
-  Weights are never reloaded from disk after a wake: that would silently generate from the base model.
+  2 = weights and KV cache freed (the push refills the weights anyway). Weights are never reloaded from disk after a
+  wake: that would silently generate from the base model.
 - Weight push: parameters are taken in buckets of at most `bucket_bytes` (sized by each parameter's full element
   count: an un-gathered ZeRO-3 parameter reports `numel() == 0`); under ZeRO-3 a bucket is gathered in one
   coalesced collective, and each bucket is loaded into vLLM in one `load_weights` call. The sync's extra memory is
@@ -17,32 +16,35 @@ pinned exactly: this relies on its internals). Per step, on every rank, the cycl
   weights and gradients to CPU while vLLM's KV cache is awake, `reload_states` brings them back after.
 - Weight check (`check_weights`): after each push a few tensors of vLLM's model are compared with what the
   trainer pushed; a mismatch raises `StaleWeightsError` (the run stops).
-- Sampling: vLLM returns token ids only (no text) and flat logprobs, which `extract_logprobs` hands to TRL without
-  a per-token dict; `install` puts it in place of TRL's.
+- Sampling: vLLM returns token ids only (no text) and flat logprobs, read without a per-token dict.
 
-Every step of the cycle is a method (`_wake`, `_sleep`, `sync_weights`, `_offload_trainer`, `_reload_trainer`)
-that `colocate_rl.rank.telemetry` times as a phase. Importing this module needs TRL but not vLLM.
+Each part of the cycle is timed as a phase (`phase`). vLLM's internals are reached through
+`colocate_rl.rank.adapter.vllm` only. Importing this module does not import vLLM.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from trl.generation.vllm_generation import VLLMGeneration, empty_cache
-from trl.generation.vllm_generation import extract_logprobs as trl_extract_logprobs
 
 from colocate_rl.errors import StaleWeightsError
 from colocate_rl.plan.engine_options import EngineOptions
+from colocate_rl.rank.adapter import deepspeed as ds
+from colocate_rl.rank.adapter import vllm as vl
+from colocate_rl.rank.engine import Generation, GenerationEngine, Sampling
 from colocate_rl.telemetry import events
 
-# The trainer states moved out of the GPU during generation. Not the bf16 parameters: ZeRO-3 needs them for the
-# push and the trainer for the log-probabilities right after generation, and vLLM has its own copy.
-OFFLOADED_STATES = ("optim_states", "hp_params", "lp_grads", "contiguous_grad_buffer")
+OFFLOADED_STATES = ds.OFFLOADED_STATES
+
+
+def empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def full_numel(param: torch.Tensor) -> int:
@@ -65,6 +67,11 @@ def weight_buckets(
         size += nbytes
     if bucket:
         yield bucket
+
+
+def vllm_name(name: str) -> str:
+    """The trainer's parameter name as vLLM's model names it (activation-checkpoint wrappers dropped)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 def check_names(names: list[str], tensor_parallel_size: int) -> list[str]:
@@ -102,78 +109,97 @@ def compare_weights(pushed: dict[str, torch.Tensor], engine_params: dict[str, to
     return problems
 
 
-def sampling_kwargs(user: dict[str, Any]) -> dict[str, Any]:
-    """The SamplingParams the recipe's `generation_kwargs` ask for, with vLLM's logprobs flat (a few lists per
-    sequence instead of a dict and an object per token: `extract_logprobs` reads them without a loop over tokens)
-    and its detokenization off (TRL's colocated path reads only token ids and decodes them itself). Detokenization
-    stays on when the recipe asks for it or for stop strings (vLLM refuses `stop` without it)."""
-    kwargs = {"flat_logprobs": True, **user}
-    return kwargs if user.get("stop") else {"detokenize": False, **kwargs}
+def sampling_kwargs(sampling: Sampling) -> dict[str, Any]:
+    """vLLM's SamplingParams for one completion per prompt: the recipe's `generation_kwargs` over the sampling
+    settings, the sampled token's logprob flat (a few lists per sequence instead of a dict and an object per token)
+    and detokenization off (only token ids are read). Detokenization stays on when the recipe asks for it or for stop
+    strings (vLLM refuses `stop` without it)."""
+    kwargs = {
+        "n": 1,
+        "repetition_penalty": sampling.repetition_penalty,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "max_tokens": sampling.max_tokens,
+        "logprobs": 0,  # the sampled token's only: TRL's importance-sampling correction
+        "flat_logprobs": True,
+        **sampling.extra,
+    }
+    return kwargs if sampling.extra.get("stop") else {"detokenize": False, **kwargs}
 
 
-def extract_logprobs(all_outputs) -> tuple[list | None, list | None]:
-    """TRL's `extract_logprobs` (per sequence, per token: [logprob] with NaN as None, [token id]), read straight
-    from vLLM's flat lists when every position holds one entry (the sampled token, TRL's `logprobs=0`); other
-    outputs (nested dicts, top-k entries) go to TRL's function, whose result this equals."""
-    logprobs, token_ids = [], []
-    for request in all_outputs:
-        for output in request.outputs:
-            flat = output.logprobs
-            if flat is None:
-                return None, None
-            values = getattr(flat, "logprobs", None)
-            if not isinstance(values, list) or len(values) != len(flat):
-                return trl_extract_logprobs(all_outputs)
-            logprobs.append([[None if v != v else v] for v in values])  # v != v: NaN
-            token_ids.append([[t] for t in flat.token_ids])
-    return logprobs, token_ids
+def read_outputs(outputs) -> Generation:
+    """Completion ids and the sampled tokens' logprobs of vLLM's request outputs (one sequence each)."""
+    ids, logprobs = [], []
+    for request in outputs:
+        for out in request.outputs:
+            ids.append(list(out.token_ids))
+            if logprobs is None or out.logprobs is None:
+                logprobs = None
+                continue
+            flat = vl.flat_logprobs(out)
+            if flat is None:  # per-position dicts (generation_kwargs: {flat_logprobs: false}): the sampled token's
+                flat = ([_finite(p[t].logprob) for p, t in zip(out.logprobs, out.token_ids)], None)
+            logprobs.append(flat[0])
+    return Generation(completion_ids=ids, logprobs=logprobs)
 
 
-class ColocatedEngine(VLLMGeneration):
-    """TRL's colocated generation backend with colocate-rl's engine options, sleep levels, bucketed weight push,
-    trainer offload and weight check. Server mode falls through to TRL unchanged."""
+def _finite(value: float) -> float | None:
+    return None if value != value else value  # NaN → None
 
-    options: EngineOptions  # set by install()
-    run_dir: Path | None = None  # where start-up memory is reported (events.jsonl); set by install()
-    seed: int = 0  # trainer.seed: two runs that differ only in it sample differently; set by install()
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        self._reset_cycle_state()
-        if self.options.max_num_seqs:
-            kwargs["max_num_seqs"] = self.options.max_num_seqs
-        # TRL's own wake/sleep calls stay off: this class sleeps and wakes the engine itself.
-        kwargs["enable_sleep_mode"] = False
-        super().__init__(*args, **kwargs)
-        if self.mode == "colocate":
-            self.generation_kwargs = sampling_kwargs(self.generation_kwargs)
+class VLLMEngine(GenerationEngine):
+    """vLLM in this rank's process with colocate-rl's engine options, sleep levels, bucketed weight push, trainer
+    offload and weight check."""
 
-    def _reset_cycle_state(self) -> None:
-        """The cycle's own state before vLLM starts: awake, weights valid, nothing offloaded or checked."""
-        self.sleep_level = int(self.options.sleep_level)
+    returns_logprobs = True
+
+    def __init__(
+        self,
+        model,
+        accelerator,
+        options: EngineOptions,
+        llm_args: dict[str, Any],
+        gather: Callable,
+        *,
+        run_dir: Path | None = None,
+        seed: int = 0,
+    ):
+        """`model`: the trainer's (unwrapped) model; `llm_args`: vLLM's LLM arguments the trainer's config sets
+        (tensor_parallel_size, gpu_memory_utilization, max_model_len, max_num_seqs, model_impl, trust_remote_code,
+        structured_outputs_regex); `gather(params)`: a context that makes ZeRO-3 parameters whole."""
+        self.model, self.accelerator, self.options, self.gather = model, accelerator, options, gather
+        self.llm_args, self.run_dir, self.seed = dict(llm_args), run_dir, seed
+        self.tensor_parallel_size = int(self.llm_args.get("tensor_parallel_size", 1))
+        self.sleep_level = int(options.sleep_level)
+        self.llm = None
+        self.tp_group = None
         self._asleep: set[str] = set()  # vLLM memory tags currently released
         self._weights_valid = True  # vLLM's weights equal the trainer's last push (or the checkpoint, at start)
         self._offloaded = False
-        self._merge = None  # LoRA: the adapted model as vLLM sees it (colocate_rl.rank.lora.AdapterMerge)
+        self._merge = None  # LoRA: the adapted model as vLLM sees it (colocate_rl.rank.adapter.peft.AdapterMerge)
         self.last_check: list[str] = []  # parameters compared after the last push
 
-    # ------------------------------------------------------------------ engine start
+    # ------------------------------------------------------------------ start and stop
 
     def llm_kwargs(self) -> dict[str, Any]:
-        """Arguments of `vllm.LLM` for this rank (TRL's fixed ones plus the recipe's engine options)."""
-        o, accelerator = self.options, self.accelerator
+        """Arguments of `vllm.LLM` for this rank (the trainer's config plus the recipe's engine options)."""
+        o, a = self.options, self.llm_args
         kwargs = dict(
             model=self.model.name_or_path,
             tensor_parallel_size=self.tensor_parallel_size,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            max_model_len=self.max_model_length,
-            max_num_seqs=self.max_num_seqs,
+            gpu_memory_utilization=a.get("gpu_memory_utilization", 0.9),
+            max_model_len=a.get("max_model_len"),
+            max_num_seqs=o.max_num_seqs or a.get("max_num_seqs"),
             enable_sleep_mode=self.sleep_level > 0,
-            model_impl=self.model_impl,
+            model_impl=a.get("model_impl", "auto"),
             distributed_executor_backend="external_launcher",
-            seed=(self.seed + accelerator.process_index // self.tensor_parallel_size) % 2**32,  # same in a TP group
+            seed=(self.seed + self.accelerator.process_index // self.tensor_parallel_size)
+            % 2**32,  # same in a TP group
             max_num_batched_tokens=o.max_num_batched_tokens,
             logprobs_mode="processed_logprobs",  # the importance-sampling correction needs processed logprobs
-            trust_remote_code=self.trust_remote_code,
+            trust_remote_code=a.get("trust_remote_code", False),
             enforce_eager=o.enforce_eager,
             enable_prefix_caching=o.enable_prefix_caching,
         )
@@ -181,12 +207,12 @@ class ColocatedEngine(VLLMGeneration):
             kwargs["kv_cache_memory_bytes"] = int(o.kv_cache_memory_bytes)
         return kwargs
 
-    def _init_vllm(self) -> None:
-        if self.mode != "colocate":
-            return super()._init_vllm()
-        from trl.trainer.utils import ensure_master_addr_port
+    def _new_llm(self):
         from vllm import LLM
 
+        return LLM(**self.llm_kwargs())
+
+    def start(self) -> None:
         accelerator = self.accelerator
         if accelerator.num_processes % self.tensor_parallel_size:
             raise ValueError(
@@ -201,18 +227,20 @@ class ColocatedEngine(VLLMGeneration):
         os.environ["RANK"] = str(accelerator.process_index)  # vLLM's external launcher reads these
         os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
         os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
-        ensure_master_addr_port()
+        os.environ.setdefault("MASTER_ADDR", "localhost")  # torchrun sets both; a single process needs them too
+        os.environ.setdefault("MASTER_PORT", "29500")
         empty_cache()  # vLLM's start-up empties torch's cache: release it first, or it counts as vLLM giving back
-        free_before, _ = torch.cuda.mem_get_info()
-        self.llm = LLM(**self.llm_kwargs())
-        awake = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
+        free = (lambda: torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else (lambda: 0)
+        free_before = free()
+        self.llm = self._new_llm()
+        awake = (free_before - free()) / 2**30
         asleep = None
         line = f"[colocate-rl engine] rank {accelerator.process_index}: vLLM awake {awake:.3f} GiB"
         if self.sleep_level:
-            self._sleep()
-            asleep = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
+            self.sleep()
+            asleep = (free_before - free()) / 2**30
             line += f", asleep (level {self.sleep_level}) {asleep:.3f} GiB"
-        config = self.built_config()
+        config = vl.built_config(self.llm)
         print(line, flush=True)  # for a person reading the log; programs read the event
         print(f"[colocate-rl engine] rank {accelerator.process_index}: vLLM config {json.dumps(config)}", flush=True)
         if self.run_dir is not None:
@@ -224,105 +252,93 @@ class ColocatedEngine(VLLMGeneration):
                 sleep_level=self.sleep_level,
                 config=config,
             )
-        accelerator.wait_for_everyone()
+        accelerator.wait_for_everyone()  # a rank still loading vLLM must not meet another's first collective
 
-    def built_config(self) -> dict[str, Any]:
-        """The engine settings as vLLM built them (read back from its config, not from what was asked)."""
-        cfg = self.llm.llm_engine.vllm_config
-        model, cache, sched = cfg.model_config, cfg.cache_config, cfg.scheduler_config
-        return {
-            "enforce_eager": model.enforce_eager,
-            "enable_sleep_mode": model.enable_sleep_mode,
-            "max_model_len": model.max_model_len,
-            "enable_prefix_caching": cache.enable_prefix_caching,
-            "gpu_memory_utilization": cache.gpu_memory_utilization,
-            "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
-            "max_num_seqs": sched.max_num_seqs,
-            "max_num_batched_tokens": sched.max_num_batched_tokens,
-        }
+    def stop(self) -> None:
+        self.llm = None
 
-    # ------------------------------------------------------------------ the cycle
+    # ------------------------------------------------------------------ sleep and wake
 
     def _wake(self, tags: list[str]) -> None:
-        self.llm.wake_up(tags=tags)
+        with self.phase("wake"):
+            self.llm.wake_up(tags=tags)
         self._asleep.difference_update(tags)
 
-    def _sleep(self) -> None:
-        self.llm.sleep(level=self.sleep_level)
+    def wake(self) -> None:
+        if self._asleep:
+            empty_cache()
+            self._wake(sorted(self._asleep))
+
+    def sleep(self) -> None:
+        if not self.sleep_level:
+            return
+        with self.phase("sleep"):
+            self.llm.sleep(level=self.sleep_level)
         self._asleep = {"weights", "kv_cache"}
         if self.sleep_level == 2:
             self._weights_valid = False  # discarded: only a push may refill them
 
-    def _engine_model(self):
-        return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    # ------------------------------------------------------------------ weights
 
-    def _named_params_for_push(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(vLLM name, parameter) of the trainer's model, not gathered."""
-        for name, param in self.model.named_parameters():
-            yield self._fix_param_name_to_vllm(name), param
-
-    def _push_weights(self) -> None:
+    def _push(self) -> None:
         """Load the trainer's current weights into vLLM, bucket by bucket."""
         from accelerate.utils import is_peft_model
 
-        engine_model = self._engine_model()
+        engine_model = vl.engine_model(self.llm)
         if is_peft_model(self.model):  # base + adapter, merged out of place bucket by bucket
             merge = self._adapter_merge()
             for bucket in weight_buckets(merge.named_params(), self.options.bucket_bytes):
                 params = [p for _, p in bucket]
-                with self._dist.gather_params(params + merge.adapter_params(params)):
+                with self.gather(params + merge.adapter_params(params)):
                     engine_model.load_weights([(name, merge.value(p)) for name, p in bucket])
             return
-        if self._dist.is_fsdp:  # TRL's iterator; loads stay bucketed
-            for bucket in weight_buckets(self._iter_named_params(), self.options.bucket_bytes):
-                engine_model.load_weights(bucket)
-            return
-        for bucket in weight_buckets(self._named_params_for_push(), self.options.bucket_bytes):
-            with self._dist.gather_params([p for _, p in bucket]):
+        named = ((vllm_name(n), p) for n, p in self.model.named_parameters())
+        for bucket in weight_buckets(named, self.options.bucket_bytes):
+            with self.gather([p for _, p in bucket]):
                 engine_model.load_weights([(name, p.data) for name, p in bucket])
 
-    def sync_weights(self) -> None:
+    def push_weights(self) -> None:
         """Wake vLLM's weights, push the trainer's, check them and reset the prefix cache."""
-        if self.mode != "colocate":
-            return super().sync_weights()
-        if "weights" in self._asleep:
-            empty_cache()  # hand the trainer's cached blocks to the driver before vLLM maps its weights again
-            self._wake(["weights"])
-        self._push_weights()
-        if self.options.check_weights:
-            self.check_weights()
-        self._weights_valid = True
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        with self.phase("weight_sync"):
+            if "weights" in self._asleep:
+                empty_cache()  # hand the trainer's cached blocks to the driver before vLLM maps its weights again
+                self._wake(["weights"])
+            self._push()
+            if self.options.check_weights:
+                with self.phase("weight_check"):
+                    self.check_weights()
+            self._weights_valid = True
+            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def _adapter_merge(self):
-        from colocate_rl.rank.lora import AdapterMerge
+        from colocate_rl.rank.adapter.peft import AdapterMerge
 
         if self._merge is None:
-            self._merge = AdapterMerge(self.model, self._fix_param_name_to_vllm)
+            self._merge = AdapterMerge(self.model, vllm_name)
         return self._merge
 
     def check_weights(self) -> None:
         """Compare a few of vLLM's tensors with the trainer's current ones (gathered under ZeRO-3, independently
         of the push; with LoRA also the last layer's adapted weights, merged again); raise StaleWeightsError on any
-        difference. FSDP models are not checked."""
+        difference."""
         from accelerate.utils import is_peft_model
 
-        if self._dist.is_fsdp:
-            return
         peft = is_peft_model(self.model)
-        params = dict(self._adapter_merge().named_params() if peft else self._named_params_for_push())
+        params = dict(
+            self._adapter_merge().named_params()
+            if peft
+            else ((vllm_name(n), p) for n, p in self.model.named_parameters())
+        )
         names = check_names(list(params), self.tensor_parallel_size)
-        with self._dist.gather_params([params[n] for n in names]):
+        with self.gather([params[n] for n in names]):
             trainer = {n: params[n].data.detach().clone() for n in names}
         if peft:
-            from colocate_rl.rank.lora import expected_tensors
+            from colocate_rl.rank.adapter.peft import expected_tensors
 
             merge = self._adapter_merge()
-            trainer.update(
-                expected_tensors(merge, merge.check_targets(self.tensor_parallel_size), self._dist.gather_params)
-            )
+            trainer.update(expected_tensors(merge, merge.check_targets(self.tensor_parallel_size), self.gather))
         self.last_check = list(trainer)
-        problems = compare_weights(trainer, dict(self._engine_model().named_parameters()))
+        problems = compare_weights(trainer, dict(vl.engine_model(self.llm).named_parameters()))
         if problems:
             raise StaleWeightsError(
                 "vLLM is not generating from the trainer's current weights after the weight sync: "
@@ -331,33 +347,32 @@ class ColocatedEngine(VLLMGeneration):
                 "(generation.check_weights: false turns this check off)"
             )
 
-    def _deepspeed_engine(self):
-        engine = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
-        return getattr(engine, "engine", None)
+    # ------------------------------------------------------------------ trainer offload
 
     def _offload_trainer(self) -> None:
         if not self.options.offload_trainer:
             return
-        engine = self._deepspeed_engine()
+        engine = ds.deepspeed_engine(self.accelerator)
         if engine is None or engine.optimizer is None:
             return  # before the first step DeepSpeed has not been prepared yet: nothing to offload
-        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
-
-        engine.offload_states(include=[OffloadStateTypeEnum(s) for s in OFFLOADED_STATES])
-        empty_cache()
+        with self.phase("offload"):
+            ds.offload_states(engine)
+            empty_cache()
         self._offloaded = True
 
     def _reload_trainer(self) -> None:
         if self._offloaded:
-            self._deepspeed_engine().reload_states()
+            with self.phase("reload"):
+                ds.deepspeed_engine(self.accelerator).reload_states()
             self._offloaded = False
 
-    def generate(self, prompts, images, num_generations, profiler=None):
-        """One generation inside the cycle; TRL's `generate` does the batching, TP slicing and logprobs."""
-        if self.mode != "colocate":
-            return super().generate(prompts, images, num_generations, profiler)
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
+        """One completion per prompt inside the cycle; under tensor parallelism the group's prompts go to vLLM
+        together and each rank keeps its own share."""
         if not self._weights_valid:
-            self.sync_weights()  # level 2 dropped them since the last push (e.g. a second generation per step)
+            self.push_weights()  # level 2 dropped them since the last push (e.g. a second generation per step)
         elif "weights" in self._asleep:
             empty_cache()
             self._wake(["weights"])  # level 1: restored from CPU, equal to the last push
@@ -365,23 +380,63 @@ class ColocatedEngine(VLLMGeneration):
         try:
             if "kv_cache" in self._asleep:
                 self._wake(["kv_cache"])
-            return super().generate(prompts, images, num_generations, profiler)
+            return self._generate(prompt_ids, sampling)
         finally:
-            if self.sleep_level:
-                self._sleep()
+            self.sleep()
             self._reload_trainer()
 
+    def _generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
+        from vllm import SamplingParams
 
-def install(options: EngineOptions, run_dir: Path | None = None, seed: int = 0) -> type[ColocatedEngine]:
-    """Make TRL's GRPO and RLOO trainers construct a ColocatedEngine configured with `options` (and TRL's generate
-    read logprobs with `extract_logprobs`); vLLM samples from `seed` (the run's `trainer.seed`) plus the
-    tensor-parallel group's index."""
-    import trl.generation.vllm_generation as trl_vllm
-    import trl.trainer.grpo_trainer as grpo
-    import trl.trainer.rloo_trainer as rloo
+        kwargs = sampling_kwargs(sampling)
+        regex = self.llm_args.get("structured_outputs_regex")
+        if regex is not None or isinstance(kwargs.get("structured_outputs"), dict):
+            from vllm.sampling_params import StructuredOutputsParams
 
-    engine = type("ColocatedEngine", (ColocatedEngine,), {"options": options, "run_dir": run_dir, "seed": seed})
-    grpo.VLLMGeneration = engine
-    rloo.VLLMGeneration = engine
-    trl_vllm.extract_logprobs = extract_logprobs  # what TRL's generate calls on vLLM's outputs
-    return engine
+            kwargs["structured_outputs"] = (
+                StructuredOutputsParams(regex=regex)
+                if regex
+                else StructuredOutputsParams(**kwargs["structured_outputs"])
+            )
+        prompts = prompt_ids
+        if self.tp_group is not None:
+            gathered: list = [None] * self.tensor_parallel_size
+            torch.distributed.all_gather_object(gathered, prompt_ids, group=self.tp_group)
+            prompts = [p for part in gathered for p in part]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompts], sampling_params=SamplingParams(**kwargs), use_tqdm=False
+        )
+        out = read_outputs(outputs)
+        if self.tp_group is not None:
+            share = slice(
+                torch.distributed.get_rank(group=self.tp_group) * len(prompt_ids),
+                (torch.distributed.get_rank(group=self.tp_group) + 1) * len(prompt_ids),
+            )
+            out = Generation(out.completion_ids[share], out.logprobs[share] if out.logprobs is not None else None)
+        return out
+
+
+def from_trainer(trainer, options: EngineOptions, run_dir: Path | None, seed: int) -> VLLMEngine:
+    """The engine for a TRL trainer, sized from its config's public vLLM fields."""
+    from colocate_rl.rank.adapter.trl import gather_params
+
+    args = trainer.args
+    llm_args = {
+        "tensor_parallel_size": args.vllm_tensor_parallel_size,
+        "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+        "max_model_len": args.vllm_max_model_length,
+        # TRL's own sizing: a rank's generation batch (times the TP group) at once
+        "max_num_seqs": args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
+        "model_impl": args.vllm_model_impl,
+        "trust_remote_code": args.trust_remote_code,
+        "structured_outputs_regex": args.vllm_structured_outputs_regex,
+    }
+    return VLLMEngine(
+        trainer.model,
+        trainer.accelerator,
+        options,
+        llm_args,
+        gather_params(trainer.accelerator),
+        run_dir=run_dir,
+        seed=seed,
+    )

@@ -76,22 +76,38 @@ def make_metrics_callback(path: Path, telemetry):
     return MetricsCallback()
 
 
-def merge_telemetry_into_logs(trainer, telemetry) -> None:
-    """Wrap `trainer.log` so each step's telemetry (and generation tokens/s) reaches every log backend."""
-    original = trainer.log
+def telemetry_extras(telemetry):
+    """`log_extras(trainer, logs)` for colocate-rl's trainer: the step's telemetry (and generation tokens/s) merged
+    into the step's log record, so it reaches every log backend."""
+    from colocate_rl.rank.adapter.trl import step_metric
 
-    def log(logs, *args, **kwargs):
-        if telemetry.pending and "train_runtime" not in logs:
-            extra, telemetry.pending = telemetry.pending, {}
-            lengths = trainer._metrics.get("train", {}).get("completions/mean_length") or []
-            generate_s = extra.get("time/generate_s", 0.0)
-            if lengths and generate_s > 0:
-                tokens = sum(lengths) / len(lengths) * trainer.args.generation_batch_size
-                extra["gen/tokens_per_s"] = round(tokens / generate_s, 1)
-            logs = {**logs, **extra}
-        return original(logs, *args, **kwargs)
+    def extras(trainer, logs):
+        if not telemetry.pending:
+            return logs
+        extra, telemetry.pending = telemetry.pending, {}
+        lengths = step_metric(trainer, "completions/mean_length")
+        generate_s = extra.get("time/generate_s", 0.0)
+        if lengths and generate_s > 0:
+            tokens = sum(lengths) / len(lengths) * trainer.args.generation_batch_size
+            extra["gen/tokens_per_s"] = round(tokens / generate_s, 1)
+        return {**logs, **extra}
 
-    trainer.log = log
+    return extras
+
+
+def engine_factory(launch: LaunchSpec, run_dir: Path, seed: int):
+    """`factory(trainer) -> GenerationEngine` for the run's backend, and whether TRL builds its own vLLM engine."""
+    if launch.backend != "vllm":
+        from colocate_rl.rank.hf_engine import transformers_engine
+
+        return transformers_engine, False
+    if launch.engine is None:  # generation.engine: trl
+        from colocate_rl.rank.hf_engine import TRLEngine
+
+        return (lambda trainer: TRLEngine(trainer.vllm_generation)), True
+    from colocate_rl.rank.vllm_engine import from_trainer
+
+    return (lambda trainer: from_trainer(trainer, launch.engine, run_dir, seed)), False
 
 
 def load_tokenizer(model_path: str, builtin: bool):
@@ -145,6 +161,7 @@ def build_trainer(run_dir: Path):
     """Construct the TRL trainer for this rank from the run directory's files."""
     from colocate_rl.builtin_model import builtin_layout
     from colocate_rl.prompts import load_prompts
+    from colocate_rl.rank import adapter
     from colocate_rl.rank.checkpoints import make_checkpoint_callback
     from colocate_rl.rank.evaluation import held_out_rows, make_eval_callback
     from colocate_rl.rank.lora import peft_config
@@ -202,14 +219,18 @@ def build_trainer(run_dir: Path):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo" if launch.device == "cpu" else "nccl")
-    if launch.engine is not None:  # colocate-rl's own vLLM engine instead of TRL's
-        from colocate_rl.rank.vllm_engine import install
-
-        install(launch.engine, run_dir, seed=recipe.trainer.seed)
+    own_vllm = launch.backend == "vllm" and launch.engine is not None
+    adapter.verify_installed(
+        Trainer,
+        vllm=launch.backend == "vllm",
+        deepspeed_offload=own_vllm and launch.engine.offload_trainer,
+        lora=recipe.model.lora is not None and own_vllm,
+    )
     config = Config(**config_args(Config, launch.trl_args))
     # The process group is up now (DeepSpeed or accelerate): all nodes must run the same recipe.
     check_same_recipe(run_dir, launch.recipe_hash)
-    trainer = Trainer(
+    factory, trl_builds_vllm = engine_factory(launch, run_dir, recipe.trainer.seed)
+    trainer = adapter.engine_trainer(Trainer)(
         model=launch.model_path,
         reward_funcs=rewards,
         args=config,
@@ -217,12 +238,15 @@ def build_trainer(run_dir: Path):
         processing_class=tokenizer,
         callbacks=[c for c in (callback, checkpoints, evaluation) if c is not None],
         peft_config=peft_config(recipe.model.lora) if recipe.model.lora else None,
+        engine_factory=factory,
+        trl_builds_vllm=trl_builds_vllm,
     )
+    adapter.verify_trainer(trainer)  # before step 1: every hook in place, the engine colocate-rl's
     callback.trainer = trainer
     if evaluation is not None:
         evaluation.trainer = trainer
     telemetry.instrument(trainer)
-    merge_telemetry_into_logs(trainer, telemetry)
+    trainer.log_extras = telemetry_extras(telemetry)
     return recipe, launch, trainer, checkpoints
 
 

@@ -1,0 +1,194 @@
+"""Every use of TRL's private API (pinned: trl==1.16.0), each with what it relies on. `check_trainer_class` and
+`check_trainer` verify them at rank start (see `colocate_rl.rank.adapter.verify`).
+
+colocate-rl puts its generation engine under TRL's trainers by subclassing them (`engine_trainer`): TRL's
+generation step calls `_generate_single_turn`, which the subclass answers from `trainer.engine`
+(`colocate_rl.rank.engine.GenerationEngine`). TRL's own code is not patched.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from colocate_rl.rank.engine import Generation, GenerationEngine, Sampling, no_phase
+
+# The hooked method's parameters, per trainer (relied on: TRL calls it with prompt token ids from its generation step
+# and, in the tool-call loop, with the tool results appended; GRPO returns (completion ids, logprobs), RLOO the ids).
+SINGLE_TURN = {
+    "GRPOTrainer": ["self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"],
+    "RLOOTrainer": ["self", "prompt_ids", "images", "multimodal_fields"],
+}
+# Private methods colocate-rl calls or times, with the parameters it relies on.
+CALLED = {
+    "_tokenize_prompts": ["self", "prompts"],  # evaluation: TRL's chat template and tokenisation of prompts
+    "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],  # evaluation, timed
+    "_generate_and_score_completions": None,  # timed as the "prepare" phase (any parameters)
+}
+# Private attributes of a built trainer: `_metrics[mode]` (TRL's per-step metric lists, read for the completion
+# length; evaluation clears "eval"), `_pending_metrics`/`_pending_extra_logs` (what rewards logged meanwhile; evaluation
+# drops them), `use_vllm` (gates the importance-sampling correction), `vllm_mode` (the tool loop reads TRL's engine
+# only when it is "colocate").
+ATTRIBUTES = ("_metrics", "_pending_metrics", "_pending_extra_logs", "use_vllm", "vllm_mode", "reward_func_names")
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def base_of(trainer_cls: type) -> str | None:
+    """'GRPOTrainer' or 'RLOOTrainer': the TRL trainer `trainer_cls` is or derives from."""
+    names = [c.__name__ for c in trainer_cls.__mro__ if c.__module__.startswith("trl.")]
+    return next((n for n in names if n in SINGLE_TURN), None)
+
+
+def check_trainer_class(trainer_cls: type) -> list[str]:
+    """What is missing or changed in TRL's trainer class for colocate-rl's hooks, one problem a line."""
+    base = base_of(trainer_cls)
+    if base is None:
+        return [f"{trainer_cls.__name__} derives from neither TRL's GRPOTrainer nor RLOOTrainer"]
+    problems = []
+    for name, expected in {"_generate_single_turn": SINGLE_TURN[base], **CALLED}.items():
+        fn = getattr(trainer_cls, name, None)
+        if fn is None:
+            problems.append(f"trl {base}.{name} is missing")
+        elif expected is not None and _params(fn) != expected:
+            problems.append(f"trl {base}.{name}{tuple(_params(fn))} changed (expected {tuple(expected)})")
+    return problems
+
+
+def check_trainer(trainer) -> list[str]:
+    """What is missing on a built trainer: the private attributes used, and the engine in place."""
+    problems = [f"trl {type(trainer).__name__}.{a} is missing" for a in ATTRIBUTES if not hasattr(trainer, a)]
+    if not isinstance(getattr(trainer, "engine", None), GenerationEngine):
+        problems.append(f"the trainer's generation engine is {type(getattr(trainer, 'engine', None)).__name__}")
+    hook = getattr(type(trainer), "_generate_single_turn", None)
+    if getattr(hook, "__qualname__", "").split(".")[0] not in ("GRPOHooks", "RLOOHooks"):
+        problems.append("TRL's _generate_single_turn is not colocate-rl's: generation would bypass the engine")
+    return problems
+
+
+class _EngineHooks:
+    """What colocate-rl adds to a TRL trainer: the engine, timed phases and the telemetry merged into each log."""
+
+    engine: GenerationEngine
+    phase = staticmethod(no_phase)  # colocate_rl.rank.telemetry sets the rank's phase timer
+    log_extras = None  # callable(trainer, logs) -> logs, set by the worker (telemetry of the step)
+
+    def __init__(self, *args: Any, engine_factory, trl_builds_vllm: bool = False, **kwargs: Any):
+        config = kwargs["args"]
+        use_vllm = bool(config.use_vllm)
+        if use_vllm and not trl_builds_vllm:
+            config.use_vllm = False  # relied on: TRL starts its own vLLM in __init__ only when use_vllm
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            config.use_vllm = use_vllm
+        self.engine = engine_factory(self)
+        if use_vllm and not trl_builds_vllm:
+            self.use_vllm = (
+                self.engine.returns_logprobs
+            )  # TRL: importance-sampling correction from the sampler's logprobs
+            self.vllm_mode = "colocate-rl"  # TRL's tool loop then sizes from the model config, not TRL's engine
+        self._pushed_step = -1
+        self.engine.start()
+
+    def generate_completions(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
+        """One completion per prompt from the engine, the trainer's weights pushed first when a step changed them."""
+        with self.phase("generate"):
+            if self.state.global_step != self._pushed_step:
+                self.engine.push_weights()
+                self._pushed_step = self.state.global_step
+            out = Generation([], [] if self.engine.returns_logprobs else None)
+            step = self.engine.max_batch or max(len(prompt_ids), 1)
+            for i in range(0, len(prompt_ids), step):
+                part = self.engine.generate(prompt_ids[i : i + step], sampling)
+                out.completion_ids += part.completion_ids
+                out.logprobs = None if out.logprobs is None or part.logprobs is None else out.logprobs + part.logprobs
+            return out
+
+    def _engine_generate(self, prompt_ids, images, multimodal_fields) -> Generation:
+        if images is not None and any(i is not None for i in images) or multimodal_fields:
+            raise ValueError("colocate-rl's generation engines take text prompts only (no images)")
+        return self.generate_completions(prompt_ids, Sampling.from_args(self.args))
+
+    def training_step(self, *args, **kwargs):
+        with self.phase("train"):
+            return super().training_step(*args, **kwargs)
+
+    def _generate_and_score_completions(self, *args, **kwargs):
+        with self.phase("prepare"):
+            return super()._generate_and_score_completions(*args, **kwargs)
+
+    def _calculate_rewards(self, *args, **kwargs):
+        with self.phase("reward"):
+            return super()._calculate_rewards(*args, **kwargs)
+
+    def log(self, logs, *args, **kwargs):
+        if self.log_extras is not None and "train_runtime" not in logs:
+            logs = self.log_extras(self, logs)
+        return super().log(logs, *args, **kwargs)
+
+
+class GRPOHooks(_EngineHooks):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        out = self._engine_generate(prompt_ids, images, multimodal_fields)  # one completion per prompt id list
+        return out.completion_ids, out.logprobs
+
+
+class RLOOHooks(_EngineHooks):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+        return self._engine_generate(prompt_ids, images, multimodal_fields).completion_ids
+
+
+def engine_trainer(trainer_cls: type) -> type:
+    """`trainer_cls` (TRL's GRPOTrainer or RLOOTrainer, or a subclass) generating through `trainer.engine`."""
+    hooks = GRPOHooks if base_of(trainer_cls) == "GRPOTrainer" else RLOOHooks
+    return type(f"Colocate{trainer_cls.__name__}", (hooks, trainer_cls), {})
+
+
+# ---------------------------------------------------------------------------------------------- for evaluation
+
+
+def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:
+    """Prompt token ids as TRL's generation step makes them (chat template, tools, truncation)."""
+    prompt_ids, _images, _fields = trainer._tokenize_prompts(prompts)
+    return prompt_ids
+
+
+def calculate_rewards(trainer, rows: list[dict], prompts: list, completions: list, completion_ids: list):
+    """Every reward of every completion (rows × reward functions, NaN where a reward returned None), gathered over the
+    ranks, as TRL scores them in training; what rewards log meanwhile is dropped."""
+    rewards = trainer._calculate_rewards(rows, prompts, completions, completion_ids)
+    trainer._pending_metrics.clear()
+    trainer._pending_extra_logs.clear()
+    return rewards
+
+
+def drop_metrics(trainer, mode: str) -> None:
+    """Forget the metrics TRL collected in `mode` ("eval": the evaluation's generation lengths)."""
+    trainer._metrics[mode].clear()
+
+
+def step_metric(trainer, name: str) -> list:
+    """The values TRL collected for metric `name` in this training step (e.g. "completions/mean_length")."""
+    return trainer._metrics.get("train", {}).get(name) or []
+
+
+def log_outside_step(trainer, metrics: dict[str, float]) -> None:
+    """Log `metrics` to every backend without TRL's `log`, which would merge in and clear the step's training metrics
+    (relied on: TRL's trainers override transformers' `Trainer.log` for that; the base one just logs)."""
+    from transformers import Trainer
+
+    Trainer.log(trainer, metrics)
+
+
+def gather_params(accelerator):
+    """A context-manager factory `gather(params)` that makes ZeRO-3-sharded parameters whole on every rank (a no-op
+    otherwise): TRL's `DistributedBackend(accelerator).gather_params` (trl.distributed)."""
+    from trl.distributed import DistributedBackend
+
+    backend = DistributedBackend(accelerator)
+    if backend.is_fsdp:
+        raise ValueError("colocate-rl's engines do not support FSDP (use distributed.deepspeed)")
+    return backend.gather_params

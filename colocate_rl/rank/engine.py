@@ -1,0 +1,104 @@
+"""The generation-engine interface: what the trainer and the evaluation ask of whatever generates completions.
+
+An engine turns prompt token ids and sampling settings into completion token ids and, where it can, the sampled
+tokens' log-probabilities. Its lifecycle is `start` → (`push_weights` after every optimizer step, `generate` any
+number of times; `sleep`/`wake` where it hands memory to the trainer) → `stop`. The trainer calls it through
+`colocate_rl.rank.adapter.trl` (TRL's generation step) and `colocate_rl.rank.evaluation` (held-out evaluation); no
+caller reaches into an engine's internals.
+
+Implementations: `colocate_rl.rank.vllm_engine.VLLMEngine` (vLLM in the rank's process, colocate-rl's sleep/wake and
+bucketed push), `colocate_rl.rank.hf_engine.TransformersEngine` (transformers' `generate`, the CPU path) and
+`colocate_rl.rank.hf_engine.TRLEngine` (TRL's own colocated vLLM engine, `generation.engine: trl`). A new backend,
+an engine in its own process or a multi-turn rollout is one more implementation of this class.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample one completion per prompt. `temperature` 0 is greedy. `extra` holds the recipe's
+    `generation_kwargs` (the engine's own sampling options, passed through)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_args(cls, args: Any) -> Sampling:
+        """The training sampling of a TRL GRPOConfig/RLOOConfig (public fields only)."""
+        return cls(
+            max_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k or 0,
+            min_p=args.min_p or 0.0,
+            repetition_penalty=args.repetition_penalty,
+            extra=dict(args.generation_kwargs or {}),
+        )
+
+    def at_temperature(self, temperature: float) -> Sampling:
+        return replace(self, temperature=temperature)
+
+
+@dataclass
+class Generation:
+    """One completion per prompt, in the prompts' order: token ids (ending at and including EOS when sampled) and,
+    when the engine samples them, each token's log-probability (None where it has none)."""
+
+    completion_ids: list[list[int]]
+    logprobs: list[list[float | None]] | None = None
+
+
+Phase = Callable[[str], AbstractContextManager]
+
+
+def no_phase(name: str) -> AbstractContextManager:
+    return nullcontext()
+
+
+class GenerationEngine(ABC):
+    """One rank's generation backend. Methods raise on failure; an engine that cannot start raises UserError (the
+    run ends with its line) and a weight check that fails raises StaleWeightsError."""
+
+    #: True when `generate` returns the sampled tokens' log-probabilities (TRL then corrects for the mismatch
+    #: between the sampler and the trainer with importance sampling).
+    returns_logprobs: bool = False
+    #: The most prompts one `generate` call takes (None: any number; callers split larger batches).
+    max_batch: int | None = None
+    #: `phase(name)` times a part of the engine's work on the rank's timeline (set by colocate_rl.rank.telemetry).
+    phase: Phase = staticmethod(no_phase)
+
+    def start(self) -> None:
+        """Bring the engine up (load the model, allocate its memory). Called once before the first step."""
+        return None  # the default: an engine without memory or weights of its own
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
+        """One completion per prompt. A collective: every rank calls it with its own prompts."""
+
+    def push_weights(self) -> None:
+        """Make the next generation sample from the trainer's current weights. Called after each optimizer step."""
+        return None  # the default: an engine without memory or weights of its own
+
+    def sleep(self) -> None:
+        """Release the engine's GPU memory for the trainer (no-op where it holds none)."""
+        return None  # the default: an engine without memory or weights of its own
+
+    def wake(self) -> None:
+        """Take back what `sleep` released."""
+        return None  # the default: an engine without memory or weights of its own
+
+    def stop(self) -> None:
+        """Release everything; the engine is not used again."""
+        return None  # the default: an engine without memory or weights of its own
