@@ -157,7 +157,7 @@ def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> in
         console.print(f"[red]error:[/] {result.ended_by}", highlight=False, soft_wrap=True)
         return result.code
     if result.code != 0:
-        if not verbose:
+        if not verbose and not result.errors:  # a rank's own error line says it; torchrun's traceback would bury it
             console.print(result.log_tail(), markup=False, highlight=False)
         console.print(f"[red]error:[/] training failed (exit code {result.code}); full log: {result.log}")
         for line in result.errors:
