@@ -23,6 +23,7 @@ import torch
 
 from colocate_rl.plan.engine_options import EngineOptions
 from colocate_rl.rank import vllm_engine as E
+from colocate_rl.rank import weights as W
 from colocate_rl.recipe.schema import GenerationSection
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,35 +138,35 @@ class Sharded(torch.nn.Parameter):
 
 def test_buckets_are_bounded_by_bytes_and_use_the_full_size_of_sharded_parameters():
     params = [(f"p{i}", torch.zeros(256, dtype=torch.bfloat16)) for i in range(5)]  # 512 bytes each
-    assert [[n for n, _ in b] for b in E.weight_buckets(params, 1024)] == [["p0", "p1"], ["p2", "p3"], ["p4"]]
+    assert [[n for n, _ in b] for b in W.weight_buckets(params, 1024)] == [["p0", "p1"], ["p2", "p3"], ["p4"]]
     big = [("small", torch.zeros(10)), ("huge", torch.zeros(1000)), ("tail", torch.zeros(10))]
-    assert [[n for n, _ in b] for b in E.weight_buckets(big, 100)] == [["small"], ["huge"], ["tail"]]
+    assert [[n for n, _ in b] for b in W.weight_buckets(big, 100)] == [["small"], ["huge"], ["tail"]]
     shard = Sharded(torch.empty(0, dtype=torch.bfloat16))
     shard.ds_numel = 1000  # 2000 bytes in full although numel() == 0
-    assert E.full_numel(shard) == 1000
-    assert [[n for n, _ in b] for b in E.weight_buckets([("a", shard), ("b", shard)], 3000)] == [["a"], ["b"]]
+    assert W.full_numel(shard) == 1000
+    assert [[n for n, _ in b] for b in W.weight_buckets([("a", shard), ("b", shard)], 3000)] == [["a"], ["b"]]
 
 
 def test_checked_names_are_norms_and_an_unsharded_projection():
     names = [n for n, _ in tiny_model().named_parameters()]
-    assert E.check_names(names, 1) == [
+    assert W.check_names(names, 1) == [
         "model.norm.weight",
         "model.layers.0.input_layernorm.weight",
         "model.layers.2.input_layernorm.weight",
         "model.layers.2.mlp.down_proj.weight",
     ]
-    assert "model.layers.2.mlp.down_proj.weight" not in E.check_names(names, 2)  # vLLM shards it under TP
+    assert "model.layers.2.mlp.down_proj.weight" not in W.check_names(names, 2)  # vLLM shards it under TP
 
 
 def test_compare_weights_reports_differences_shapes_and_missing_tensors():
     a = {"x": torch.ones(3), "y": torch.ones(2), "z": torch.ones(1)}
     b = {"x": torch.ones(3), "y": torch.tensor([1.0, 1.5])}
-    assert E.compare_weights(a, b) == ["y differs (max abs difference 0.5)", "z not found in vLLM's model"]
-    assert E.compare_weights({"x": torch.ones(3)}, {"x": torch.ones(4)}) == [
+    assert W.compare_weights(a, b) == ["y differs (max abs difference 0.5)", "z not found in vLLM's model"]
+    assert W.compare_weights({"x": torch.ones(3)}, {"x": torch.ones(4)}) == [
         "x has shape (4,) in vLLM, (3,) in the trainer"
     ]
     assert (
-        E.compare_weights({"x": torch.ones(3, dtype=torch.float32)}, {"x": torch.ones(3, dtype=torch.bfloat16)}) == []
+        W.compare_weights({"x": torch.ones(3, dtype=torch.float32)}, {"x": torch.ones(3, dtype=torch.bfloat16)}) == []
     )
 
 
@@ -324,7 +325,7 @@ def test_level2_cycle_order_and_push_after_every_wake(monkeypatch):
     eng.push_weights()  # the trainer calls this when the step changed, then generate
     eng.generate([[1], [2]], SAMPLING)
     assert events == CYCLE_LEVEL2
-    assert eng.last_check == E.check_names([n for n, _ in eng.model.named_parameters()], 1)
+    assert eng.last_check == W.check_names([n for n, _ in eng.model.named_parameters()], 1)
     events.clear()
     eng.generate([[1], [2]], SAMPLING)  # a second generation in the same step: level 2 dropped the weights
     assert events == CYCLE_LEVEL2

@@ -19,8 +19,8 @@ from colocate_rl.builtin_model import LAYOUTS
 from colocate_rl.cli import app
 from colocate_rl.plan.lora import check_lora_targets
 from colocate_rl.rank.adapter.peft import AdapterMerge, expected_tensors
+from colocate_rl.rank.final_model import cast_saved_weights
 from colocate_rl.rank.lora import peft_config
-from colocate_rl.rank.worker import cast_saved_weights
 from colocate_rl.recipe.load import parse_recipe
 from colocate_rl.recipe.schema import LoraSection
 

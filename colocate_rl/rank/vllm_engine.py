@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from colocate_rl.plan.engine_options import EngineOptions
 from colocate_rl.rank.adapter import deepspeed as ds
 from colocate_rl.rank.adapter import vllm as vl
 from colocate_rl.rank.engine import Generation, GenerationEngine, Sampling
+from colocate_rl.rank.weights import check_names, compare_weights, vllm_name, weight_buckets
 from colocate_rl.telemetry import events
 
 OFFLOADED_STATES = ds.OFFLOADED_STATES
@@ -45,68 +46,6 @@ OFFLOADED_STATES = ds.OFFLOADED_STATES
 def empty_cache() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def full_numel(param: torch.Tensor) -> int:
-    """Elements of the whole parameter, also when ZeRO-3 holds only a shard (`ds_numel`)."""
-    return int(getattr(param, "ds_numel", param.numel()))
-
-
-def weight_buckets(
-    named_params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of parameters of at most `bucket_bytes` each (a larger parameter gets its own group)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, param in named_params:
-        nbytes = full_numel(param) * param.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, param))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def vllm_name(name: str) -> str:
-    """The trainer's parameter name as vLLM's model names it (activation-checkpoint wrappers dropped)."""
-    return name.replace("_checkpoint_wrapped_module.", "")
-
-
-def check_names(names: list[str], tensor_parallel_size: int) -> list[str]:
-    """Parameters compared after each push: the final norm and the first and last layers' input norms (replicated
-    under tensor parallelism), plus the last layer's MLP down projection when vLLM does not shard it."""
-    layers = sorted(
-        {int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
-    )
-    wanted = ["model.norm.weight"]
-    if layers:
-        wanted += [
-            f"model.layers.{layers[0]}.input_layernorm.weight",
-            f"model.layers.{layers[-1]}.input_layernorm.weight",
-        ]
-        if tensor_parallel_size == 1:
-            wanted.append(f"model.layers.{layers[-1]}.mlp.down_proj.weight")
-    present = set(names)
-    return [n for n in wanted if n in present]
-
-
-def compare_weights(pushed: dict[str, torch.Tensor], engine_params: dict[str, torch.Tensor]) -> list[str]:
-    """Problems found comparing pushed tensors with the engine's (missing or different), as text."""
-    problems = []
-    for name, expected in pushed.items():
-        actual = engine_params.get(name)
-        if actual is None:
-            problems.append(f"{name} not found in vLLM's model")
-            continue
-        expected = expected.to(device=actual.device, dtype=actual.dtype)
-        if actual.shape != expected.shape:
-            problems.append(f"{name} has shape {tuple(actual.shape)} in vLLM, {tuple(expected.shape)} in the trainer")
-        elif not torch.equal(actual, expected):
-            diff = (actual.float() - expected.float()).abs().max().item()
-            problems.append(f"{name} differs (max abs difference {diff:.3g})")
-    return problems
 
 
 def sampling_kwargs(sampling: Sampling) -> dict[str, Any]:
