@@ -10,8 +10,8 @@ Per workload, in order (each stage a subprocess; a failing one is recorded with 
    completions per rank).
 2. same: standalone vLLM in a separate process on the first GPU (benchmarks/generation_vllm.py) with the engine
    arguments the run's rank 0 passed to `vllm.LLM`, rebuilt from the run directory (launch.json's EngineOptions
-   and TRL arguments, through colocate-rl's own `ColocatedEngine.llm_kwargs`), the same prompt token ids (rank
-   0's recorded generations, batch k = generation k) and TRL's SamplingParams (variant `trl`), timed over the same
+   and TRL arguments, through colocate-rl's own `VLLMEngine.llm_kwargs`), the same prompt token ids (rank
+   0's recorded generations, batch k = generation k) and the run's SamplingParams (variant `trl`), timed over the same
    number of batches after the same warm-up; other variants change one thing each (generation_vllm.VARIANTS).
 3. mp: the same with vLLM's default engine-core process (no `distributed_executor_backend`).
 4. trl: the colocated run again with TRL's engine and the micro-batch as written (TRL_ENGINE: what TRL's own colocate
@@ -176,7 +176,7 @@ def completions_per_rank(trl_args: dict) -> int:
 
 def colocated_figures(path: Path, warmup: int) -> dict:
     """Rank 0's generate phase over the measured steps: seconds and tokens per batch, tokens/s; from the probe also
-    the seconds inside `llm.generate`, in TRL's logprob extraction and in the garbage collector."""
+    the seconds inside `llm.generate`, in the engine's logprob extraction and in the garbage collector."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import generation_vllm as G

@@ -5,23 +5,26 @@ Standalone (a separate process on one GPU, after the colocated run of the same w
 
     python benchmarks/generation_vllm.py --run-dir RUN --engine same --variants trl,detok,lean --out OUT.json
 
-- Engine arguments: `ColocatedEngine.llm_kwargs()` of colocate_rl/rank/vllm_engine.py, on an engine built from the run
-  directory's `launch.json` (its `EngineOptions` and TRL arguments) exactly as TRL's trainer builds it, with vLLM's
-  start skipped (`engine_kwargs`). `--engine same` passes them unchanged (vLLM's in-process engine core, as on a
-  rank); `--engine mp` drops `distributed_executor_backend` (vLLM's default: engine core in its own process).
+- Engine arguments: `VLLMEngine.llm_kwargs()` of colocate_rl/rank/vllm_engine.py, on an engine built from the run
+  directory's `launch.json` (its `EngineOptions` and TRL arguments) as the trainer builds it (`from_trainer`), not
+  started (`engine_kwargs`). `--engine same` passes them unchanged (vLLM's in-process engine core, as on a rank);
+  `--engine mp` drops `distributed_executor_backend` (vLLM's default: engine core in its own process).
 - Requests: the prompt token ids rank 0 sent to vLLM, recorded per generation by the probe (below), batch k of the
-  standalone = generation k of the run; SamplingParams as TRL builds them (`sampling_kwargs`), changed per variant
-  (`VARIANTS`). Timed: `LLM.generate` only (prefix cache reset before each batch, as after every weight push), and
-  the run's logprob extraction of its outputs separately (`post_s`).
+  standalone = generation k of the run; SamplingParams as colocate-rl's engine builds them for training
+  (`sampling_kwargs`), changed per variant (`VARIANTS`). Timed: `LLM.generate` only (prefix cache reset before each
+  batch, as after every weight push), and the run's logprob extraction of its outputs (`read_outputs`) separately
+  (`post_s`).
 
-Probe (in the colocated run's ranks, through benchmarks/generation_probe/sitecustomize.py; colocate-rl's engine or
-TRL's): wraps each rank's `llm.generate` and the `extract_logprobs` TRL's generate calls, appending one JSON line per
-call to RUN/bench/generate_calls.rank<N>.jsonl: prompt token ids, SamplingParams, completion tokens, seconds in vLLM,
-in the extraction and in Python's garbage collector, plus the engine's built config once. COLOCATE_BENCH_GC=off also
-turns the garbage collector off during `llm.generate` (an experiment, not a fix). COLOCATE_BENCH_PROFILE=generate=K,
-train=J runs torch's profiler over generate call K (and the standalone's batch K of its first variant, into its
-result's `profile`) and TRL's training_step call J, into RUN/bench/profile.{generate,train}.rank<N>.json: wall
-seconds against GPU kernel seconds, and the top kernels and CPU operators.
+Probe (in the colocated run's ranks, through benchmarks/generation_probe/sitecustomize.py): once colocate-rl's
+trainer has started its engine, wraps the engine's `llm.generate` and the logprob extraction it runs on vLLM's
+outputs (colocate-rl's `VLLMEngine`: `read_outputs`; TRL's engine, `generation.engine: trl`: TRL's
+`extract_logprobs`), appending one JSON line per call to RUN/bench/generate_calls.rank<N>.jsonl: prompt token ids,
+SamplingParams, completion tokens, seconds in vLLM, in the extraction and in Python's garbage collector, plus the
+engine's built config once. COLOCATE_BENCH_GC=off also turns the garbage collector off during `llm.generate` (an
+experiment, not a fix). COLOCATE_BENCH_PROFILE=generate=K,train=J runs torch's profiler over generate call K (and the
+standalone's batch K of its first variant, into its result's `profile`) and TRL's GRPO training_step call J, into
+RUN/bench/profile.{generate,train}.rank<N>.json: wall seconds against GPU kernel seconds, and the top kernels and CPU
+operators.
 
 Importing this module needs neither vLLM nor a GPU; `engine_kwargs` and `sampling_kwargs` need TRL (tested on CPU).
 """
@@ -47,13 +50,13 @@ PROBE_ENV = "COLOCATE_BENCH_PROBE"  # "1": the sitecustomize patches the ranks' 
 GC_ENV = "COLOCATE_BENCH_GC"  # "off": garbage collector off during the ranks' llm.generate
 PROFILE_ENV = "COLOCATE_BENCH_PROFILE"  # "generate=K,train=J": torch-profile generate call K, training_step call J
 
-# TRL config fields that no engine or sampling argument reads (grpo_trainer.py / rloo_trainer.py where they build
-# VLLMGeneration, vllm_generation.py where it builds SamplingParams); building TRL's config without them needs no GPU
-# (bf16 checks for one) and no process group (deepspeed starts one).
+# TRL config fields that no engine or sampling argument reads (colocate_rl/rank/vllm_engine.py `from_trainer`,
+# colocate_rl/rank/engine.py `Sampling.from_args`); building TRL's config without them needs no GPU (bf16 checks for
+# one) and no process group (deepspeed starts one).
 NOT_FOR_GENERATION = ("deepspeed", "bf16", "fp16")
 
 VARIANTS = {  # name → (what it changes in TRL's request, SamplingParams changes)
-    "trl": ("the run's SamplingParams (TRL's, detokenize=False from colocate-rl), n=1 for each of the copies", {}),
+    "trl": ("the run's SamplingParams (colocate-rl's engine: detokenize=False, flat logprobs), n=1 per copy", {}),
     "detok": ("+ detokenize=True (TRL's own engine: vLLM also builds the text)", {"detokenize": True}),
     "nodetok": ("+ detokenize=False (TRL reads only token ids and logprobs)", {"detokenize": False}),
     "nologprobs": ("logprobs=None", {"logprobs": None}),
@@ -113,85 +116,45 @@ def trl_config(launch):
     return Config(**config_args(Config, args))
 
 
-def trl_engine_init_kwargs(args, algorithm: str) -> dict[str, Any]:
-    """What TRL's GRPOTrainer / RLOOTrainer pass to VLLMGeneration in colocate mode (grpo_trainer.py:1107-1138,
-    rloo_trainer.py:752-783 of TRL 1.16; checked against a real trainer by tests/test_bench_generation.py)."""
-    return dict(
-        mode=args.vllm_mode,
-        structured_outputs_regex=args.vllm_structured_outputs_regex,
-        tensor_parallel_size=args.vllm_tensor_parallel_size,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        max_model_length=args.vllm_max_model_length,
-        max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
-        enable_sleep_mode=args.vllm_enable_sleep_mode,
-        model_impl=args.vllm_model_impl,
-        trust_remote_code=args.trust_remote_code,
-        repetition_penalty=args.repetition_penalty,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        max_completion_length=args.max_completion_length,
-        logprobs=0 if algorithm == "grpo" else None,
-        generation_kwargs=args.generation_kwargs,
-    )
-
-
 def build_engine(run_dir: Path, rank: int = 0):
-    """colocate-rl's ColocatedEngine of `rank` as the run's trainer constructs it (its __init__ and TRL's run), with
-    vLLM's start skipped: `llm_kwargs()` is then what that rank passes to `vllm.LLM`."""
-    from colocate_rl.rank import vllm_engine
+    """colocate-rl's VLLMEngine of `rank` as the run's trainer builds it (`vllm_engine.from_trainer` on the run's TRL
+    config, model path and world size, seeded with trainer.seed as the worker does), not started: `llm_kwargs()` is
+    then what that rank passes to `vllm.LLM`. Exits when the run did not use colocate-rl's vLLM engine."""
+    from colocate_rl.rank.vllm_engine import from_trainer
     from colocate_rl.recipe.load import load_recipe
     from colocate_rl.rundir import RunDir
 
     launch = read_launch(run_dir)
     if launch.engine is None:
         raise SystemExit(f"{run_dir}: not a run of colocate-rl's vLLM engine (generation.engine colocate-rl on GPUs)")
-    config = trl_config(launch)
-    if config.vllm_mode != "colocate":
-        raise SystemExit(f"{run_dir}: vllm_mode {config.vllm_mode}, not colocate")
-    cls = type(
-        "ColocatedEngine",
-        (vllm_engine.ColocatedEngine,),
-        {
-            "options": launch.engine,
-            "run_dir": None,
-            "seed": load_recipe(RunDir(Path(run_dir)).recipe).trainer.seed,  # as the worker's install() sets it
-            "_init_vllm": lambda self: None,
-        },
-    )
     accelerator = SimpleNamespace(
         process_index=rank,
         local_process_index=rank,
         num_processes=launch.world_size,
         state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None),
     )
-    model = SimpleNamespace(name_or_path=launch.model_path)
-    return cls(model, accelerator, None, **trl_engine_init_kwargs(config, launch.algorithm))
+    trainer = SimpleNamespace(
+        args=trl_config(launch), model=SimpleNamespace(name_or_path=launch.model_path), accelerator=accelerator
+    )
+    seed = load_recipe(RunDir(Path(run_dir)).recipe).trainer.seed
+    return from_trainer(trainer, launch.engine, None, seed)
 
 
 def engine_kwargs(run_dir: Path, rank: int = 0) -> dict[str, Any]:
-    """The arguments of `vllm.LLM` on `rank` of the run in `run_dir` (ColocatedEngine.llm_kwargs)."""
+    """The arguments of `vllm.LLM` on `rank` of the run in `run_dir` (VLLMEngine.llm_kwargs)."""
     return build_engine(run_dir, rank).llm_kwargs()
 
 
-def sampling_kwargs(engine) -> dict[str, Any]:
-    """SamplingParams arguments of TRL's colocated generate (vllm_generation.py:662-672 of TRL 1.16), from an engine
-    of `build_engine`. Structured outputs are not benchmarked."""
-    if engine.structured_outputs_regex is not None or (engine.generation_kwargs or {}).get("structured_outputs"):
+def sampling_kwargs(args) -> dict[str, Any]:
+    """SamplingParams arguments of colocate-rl's engine for the training generations of TRL config `args` (what
+    `VLLMEngine._generate` passes: `vllm_engine.sampling_kwargs` of `Sampling.from_args`). Structured outputs are not
+    benchmarked."""
+    from colocate_rl.rank.engine import Sampling
+    from colocate_rl.rank.vllm_engine import sampling_kwargs as engine_sampling
+
+    if args.vllm_structured_outputs_regex is not None or (args.generation_kwargs or {}).get("structured_outputs"):
         raise SystemExit("structured outputs (guided decoding) are not benchmarked")
-    kwargs = {
-        "n": 1,
-        "repetition_penalty": engine.repetition_penalty,
-        "temperature": engine.temperature,
-        "top_p": engine.top_p,
-        "top_k": engine.top_k,
-        "min_p": 0.0 if engine.min_p is None else engine.min_p,
-        "max_tokens": engine.max_completion_length,
-        "logprobs": engine.logprobs,
-    }
-    kwargs.update(engine.generation_kwargs or {})
-    return kwargs
+    return engine_sampling(Sampling.from_args(args))
 
 
 def variant_sampling(base: dict[str, Any], variant: str) -> dict[str, Any]:
@@ -386,14 +349,11 @@ def write_profile(run_dir: Path, what: str, rank: int, summary: dict) -> None:
     path.write_text(json.dumps(summary, indent=1) + "\n")
 
 
-def attach_probe(engine, run_dir: Path | None = None) -> None:
-    """Wrap `engine.llm.generate` (a rank's vllm.LLM) and TRL's `extract_logprobs` to record each call; the run
-    directory is the engine's (colocate-rl's) or `run_dir` (TRL's engine)."""
-    run_dir = getattr(engine, "run_dir", None) or run_dir
-    llm = getattr(engine, "llm", None)
-    if run_dir is None or llm is None or getattr(llm.generate, "_bench_probe", False):
+def attach_probe(llm, rank: int, run_dir: Path, extraction: tuple[Any, str]) -> None:
+    """Wrap `llm.generate` (a rank's vllm.LLM) and the function `extraction` names (module, attribute: the logprob
+    extraction the engine calls on vLLM's outputs) to record each call into `run_dir`'s probe file of `rank`."""
+    if getattr(llm.generate, "_bench_probe", False):
         return
-    rank = engine.accelerator.process_index
     path = probe_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     clock, state, targets = GcClock(), {"call": -1}, profile_targets()
@@ -443,18 +403,19 @@ def attach_probe(engine, run_dir: Path | None = None) -> None:
 
     probed_generate._bench_probe = True
     llm.generate = probed_generate
-    trl_vllm = sys.modules.get("trl.generation.vllm_generation")
-    if trl_vllm is not None and not getattr(trl_vllm.extract_logprobs, "_bench_probe", False):
-        extract = trl_vllm.extract_logprobs
+    module, name = extraction
+    extract = getattr(module, name)
+    if getattr(extract, "_bench_probe", False):
+        return
 
-        def probed_extract(all_outputs):
-            start = time.perf_counter()
-            result = extract(all_outputs)
-            write({"kind": "extract", "call": state["call"], "s": round(time.perf_counter() - start, 5)})
-            return result
+    def probed_extract(outputs):
+        start = time.perf_counter()
+        result = extract(outputs)
+        write({"kind": "extract", "call": state["call"], "s": round(time.perf_counter() - start, 5)})
+        return result
 
-        probed_extract._bench_probe = True
-        trl_vllm.extract_logprobs = probed_extract
+    probed_extract._bench_probe = True
+    setattr(module, name, probed_extract)
 
 
 def worker_run_dir() -> Path | None:
@@ -462,30 +423,35 @@ def worker_run_dir() -> Path | None:
     return Path(sys.argv[1]) if len(sys.argv) > 1 else None
 
 
-def _attach_after_init(cls) -> None:
-    """Make `cls` (an engine class) attach the probe once its colocated vLLM has started."""
-    init = cls.__dict__["_init_vllm"]
-    if getattr(init, "_bench_probe", False):
-        return
+def probe_engine(engine) -> None:
+    """Attach the probe to a started engine's vLLM: colocate-rl's VLLMEngine (its `llm`, run directory and
+    `read_outputs`) or TRL's (`generation.engine: trl`: its VLLMGeneration's `llm` in colocate mode, the worker's
+    run directory, TRL's `extract_logprobs`). An engine without vLLM (transformers) is left alone."""
+    from colocate_rl.rank import hf_engine, vllm_engine
 
-    def _init_vllm(self):
-        result = init(self)
-        if self.mode == "colocate":
-            attach_probe(self, worker_run_dir())
-        return result
+    if isinstance(engine, vllm_engine.VLLMEngine):
+        rank = engine.accelerator.process_index
+        attach_probe(engine.llm, rank, engine.run_dir or worker_run_dir(), (vllm_engine, "read_outputs"))
+    elif isinstance(engine, hf_engine.TRLEngine) and getattr(engine.vllm, "llm", None) is not None:
+        import trl.generation.vllm_generation as trl_vllm
 
-    _init_vllm._bench_probe = True
-    cls._init_vllm = _init_vllm
+        rank = engine.vllm.accelerator.process_index
+        attach_probe(engine.vllm.llm, rank, worker_run_dir(), (trl_vllm, "extract_logprobs"))
 
 
 def patch_engine(module) -> None:
-    """colocate_rl.rank.vllm_engine: its engine attaches the probe."""
-    _attach_after_init(module.ColocatedEngine)
+    """colocate_rl.rank.adapter.trl: colocate-rl's trainer attaches the probe to its engine once it has started it."""
+    hooks = module._EngineHooks
+    init = hooks.__init__
+    if getattr(init, "_bench_probe", False):
+        return
 
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        probe_engine(self.engine)
 
-def patch_trl_engine(module) -> None:
-    """trl.generation.vllm_generation: TRL's engine (`generation.engine: trl` rows) attaches the probe too."""
-    _attach_after_init(module.VLLMGeneration)
+    __init__._bench_probe = True
+    hooks.__init__ = __init__
 
 
 def patch_trainer(module) -> None:
@@ -510,8 +476,7 @@ def patch_trainer(module) -> None:
 
 
 PATCHES = {  # module → what the sitecustomize applies once it is imported in a rank
-    "colocate_rl.rank.vllm_engine": patch_engine,
-    "trl.generation.vllm_generation": patch_trl_engine,
+    "colocate_rl.rank.adapter.trl": patch_engine,
     "trl.trainer.grpo_trainer": patch_trainer,
 }
 
@@ -563,7 +528,7 @@ def run_standalone(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine == "mp":
         kwargs.pop("distributed_executor_backend")
     kwargs.update(parse_overrides(args.override))
-    base = sampling_kwargs(engine)
+    base = sampling_kwargs(trl_config(read_launch(args.run_dir)))
     _, calls, _ = read_probe(args.run_dir, args.rank)
     batches = [c["prompt_token_ids"] for c in calls]
     needed = args.warmup + args.batches
@@ -572,7 +537,7 @@ def run_standalone(args: argparse.Namespace) -> dict[str, Any]:
 
     from vllm import LLM, SamplingParams
 
-    from colocate_rl.rank.vllm_engine import extract_logprobs  # what colocate-rl's runs use (TRL's, or faster)
+    from colocate_rl.rank.vllm_engine import read_outputs  # the extraction colocate-rl's engine runs
 
     llm = LLM(**kwargs)
     result: dict[str, Any] = {
@@ -607,10 +572,9 @@ def run_standalone(args: argparse.Namespace) -> dict[str, Any]:
             seconds = time.perf_counter() - start
             clock.active = False
             row = {"s": round(seconds, 5), "tokens": completion_tokens(outputs), "gc_s": round(clock.seconds, 5)}
-            if params.logprobs is not None:  # what TRL does with them, timed apart
+            if params.logprobs is not None:  # what the engine does with them, timed apart
                 start = time.perf_counter()
-                logprobs, _ = extract_logprobs(outputs)
-                _ = [[lp[0] for lp in seq] for seq in logprobs]  # _generate_single_turn keeps the sampled one
+                read_outputs(outputs)
                 row["post_s"] = round(time.perf_counter() - start, 5)
             rows.append(row)
         result["variants"][variant] = {"sampling": sampling_summary(params), "batches": rows}

@@ -1,7 +1,7 @@
 """benchmarks/bench_generation.py and benchmarks/generation_vllm.py without a GPU: the commands of every workload,
 the engine arguments the standalone vLLM takes from a run directory (planned in-process, as `train` writes it, and
-checked against the engine a real TRL trainer builds), TRL's SamplingParams and the variants, the probe (with a
-stand-in for `vllm.LLM`), and the ratio table (from hand-written result rows, not measurements)."""
+checked against the engine a real TRL trainer builds), the engine's SamplingParams and the variants, the probe (with
+a stand-in for `vllm.LLM`), and the ratio table (from hand-written result rows, not measurements)."""
 
 import json
 import shlex
@@ -169,7 +169,7 @@ def test_standalone_engine_arguments_come_from_the_run_dir(name, expected, max_t
         expected["enable_sleep_mode"] = spec["engine"]["sleep_level"] > 0
     assert kwargs == dict(model=spec["model_path"], **COMMON, **expected)
     assert spec["model_path"] == (str(model) if name == "c256" else str(run_dir / "model"))
-    sampling = G.sampling_kwargs(G.build_engine(run_dir))
+    sampling = G.sampling_kwargs(G.trl_config(G.read_launch(run_dir)))
     assert sampling == dict(
         n=1,
         repetition_penalty=1.0,
@@ -179,7 +179,7 @@ def test_standalone_engine_arguments_come_from_the_run_dir(name, expected, max_t
         min_p=0.0,
         max_tokens=max_tokens,
         logprobs=0,
-        detokenize=False,  # colocate-rl's engine: TRL reads token ids only
+        detokenize=False,  # colocate-rl's engine reads token ids only
         flat_logprobs=True,  # and the logprobs as flat lists
     )
     assert bench.completions_per_rank(spec["trl_args"]) == expected["max_num_seqs"]
@@ -205,17 +205,18 @@ def tiny_model_dir(path: Path) -> Path:
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_engine_arguments_equal_those_of_the_engine_a_real_trainer_builds(algorithm, tmp_path, monkeypatch):
-    """TRL's trainer constructs colocate-rl's engine (vLLM's start skipped); its llm_kwargs and sampling settings are
-    what generation_vllm rebuilds from a run directory holding the same launch.json."""
-    import trl.trainer.grpo_trainer as grpo
-    import trl.trainer.rloo_trainer as rloo
+    """A real TRL trainer of colocate-rl's (the worker's engine factory, vLLM's start skipped) builds colocate-rl's
+    engine; its llm_kwargs and training sampling are what generation_vllm rebuilds from a run directory holding the
+    same launch.json."""
     from datasets import Dataset
 
     from colocate_rl.builtin_model import load_tokenizer
     from colocate_rl.plan.engine_options import EngineOptions
     from colocate_rl.plan.launch_spec import LaunchSpec
     from colocate_rl.rank import vllm_engine as E
-    from colocate_rl.rank.worker import config_args
+    from colocate_rl.rank.adapter import engine_trainer
+    from colocate_rl.rank.engine import Sampling
+    from colocate_rl.rank.worker import config_args, engine_factory
     from colocate_rl.recipe.schema import GenerationSection
 
     model = tiny_model_dir(tmp_path / "model")
@@ -245,22 +246,6 @@ def test_engine_arguments_equal_those_of_the_engine_a_real_trainer_builds(algori
     else:
         from trl import RLOOConfig as Config
         from trl import RLOOTrainer as Trainer
-    monkeypatch.setattr(E.ColocatedEngine, "_init_vllm", lambda self: None)
-    monkeypatch.setattr(grpo, "VLLMGeneration", grpo.VLLMGeneration)  # restored after the test: install() sets them
-    monkeypatch.setattr(rloo, "VLLMGeneration", rloo.VLLMGeneration)
-    E.install(options, None, seed=trl_args["seed"])  # as colocate_rl/rank/worker.py installs it: trainer.seed
-    trainer = Trainer(
-        model=str(model),
-        reward_funcs=[lambda completions, **kwargs: [0.0] * len(completions)],
-        args=Config(**config_args(Config, trl_args)),
-        train_dataset=Dataset.from_list([{"prompt": "Count from 1 to 5."}] * 8),
-        processing_class=load_tokenizer(model),
-    )
-    real = trainer.vllm_generation
-    assert isinstance(real, E.ColocatedEngine)
-    real_kwargs, real_sampling = real.llm_kwargs(), G.sampling_kwargs(real)  # before another TRL config resets
-    # accelerate's state (building a TrainingArguments does)
-
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     spec = LaunchSpec(
@@ -277,13 +262,32 @@ def test_engine_arguments_equal_those_of_the_engine_a_real_trainer_builds(algori
     recipe = {"algorithm": algorithm, "model": {"name": str(model)}, "data": {"source": "builtin:digits"}}
     recipe.update(rewards=[{"name": "digit_share"}], trainer={"seed": trl_args["seed"]})
     (run_dir / "recipe.yaml").write_text(json.dumps(recipe))  # JSON is YAML
+
+    monkeypatch.setattr(E.VLLMEngine, "start", lambda self: None)  # vLLM cannot start here
+    factory, trl_builds_vllm = engine_factory(spec, run_dir, seed=trl_args["seed"])  # as the worker builds it
+    trainer = engine_trainer(Trainer)(
+        model=str(model),
+        reward_funcs=[lambda completions, **kwargs: [0.0] * len(completions)],
+        args=Config(**config_args(Config, trl_args)),
+        train_dataset=Dataset.from_list([{"prompt": "Count from 1 to 5."}] * 8),
+        processing_class=load_tokenizer(model),
+        engine_factory=factory,
+        trl_builds_vllm=trl_builds_vllm,
+    )
+    real = trainer.engine
+    assert isinstance(real, E.VLLMEngine) and not trl_builds_vllm
+    # before another TRL config resets accelerate's state (building a TrainingArguments does)
+    real_kwargs = real.llm_kwargs()
+    real_sampling = E.sampling_kwargs(Sampling.from_args(trainer.args))  # what TRL's generation step asks for
+
     rebuilt = G.build_engine(run_dir)
     assert rebuilt.llm_kwargs() == real_kwargs
     assert real_kwargs["max_num_seqs"] == 8 and real_kwargs["max_num_batched_tokens"] == 8192
     assert real_kwargs["seed"] == 3  # trainer.seed + the tensor-parallel group of rank 0
-    assert G.sampling_kwargs(rebuilt) == real_sampling
-    assert real_sampling["logprobs"] == (0 if algorithm == "grpo" else None)
-    assert real_sampling["seed"] == 7  # generation_kwargs reach SamplingParams last, as in TRL
+    assert G.sampling_kwargs(G.trl_config(G.read_launch(run_dir))) == real_sampling
+    assert real_sampling["logprobs"] == 0  # colocate-rl's engine returns them for RLOO too (RLOO does not use them)
+    assert (real_sampling["temperature"], real_sampling["top_k"], real_sampling["max_tokens"]) == (0.9, 5, 32)
+    assert real_sampling["seed"] == 7  # generation_kwargs reach SamplingParams last
 
 
 def test_variants_change_one_thing_each_and_groups_are_found():
@@ -304,7 +308,7 @@ def test_variants_change_one_thing_each_and_groups_are_found():
 
 class FakeCompletion:
     def __init__(self, n):
-        self.token_ids = list(range(n))
+        self.token_ids, self.logprobs = list(range(n)), None
 
 
 class FakeLLM:
@@ -324,29 +328,51 @@ class FakeLLM:
         return [SimpleNamespace(outputs=[FakeCompletion(len(p["prompt_token_ids"]))]) for p in prompts]
 
 
-def test_probe_records_each_generate_of_a_rank(tmp_path, monkeypatch):
+def vllm_engine(run_dir: Path, rank: int):
+    """colocate-rl's VLLMEngine whose `start` brings up a FakeLLM (the real one starts vLLM)."""
+    from colocate_rl.plan.engine_options import EngineOptions
     from colocate_rl.rank import vllm_engine as E
+    from colocate_rl.recipe.schema import GenerationSection
 
-    monkeypatch.setattr(E.ColocatedEngine, "_init_vllm", E.ColocatedEngine._init_vllm)  # restored after the test
-    G.patch_engine(E)
-    G.patch_engine(E)  # once only
-    assert E.ColocatedEngine._init_vllm._bench_probe
+    accelerator = SimpleNamespace(process_index=rank, num_processes=rank + 1)
+    options = EngineOptions.from_generation(GenerationSection(sleep_level=0))
+    engine = E.VLLMEngine(None, accelerator, options, {}, gather=None, run_dir=run_dir)
+    engine.start = lambda: setattr(engine, "llm", FakeLLM())
+    return engine
 
-    engine = SimpleNamespace(run_dir=tmp_path, llm=FakeLLM(), accelerator=SimpleNamespace(process_index=1))
-    monkeypatch.setitem(sys.modules, "trl.generation.vllm_generation", SimpleNamespace(extract_logprobs=lambda o: o))
+
+def test_probe_records_each_generate_of_a_rank(tmp_path, monkeypatch):
+    """colocate-rl's trainer (its hooks over a stand-in base class) starts its engine and the probe attaches to it;
+    the engine's own `_generate` then records each vLLM call and its `read_outputs` (a stand-in SamplingParams)."""
+    from colocate_rl.rank import vllm_engine as E
+    from colocate_rl.rank.adapter import trl as A
+    from colocate_rl.rank.engine import Sampling
+
+    monkeypatch.setattr(A._EngineHooks, "__init__", A._EngineHooks.__init__)  # restored after the test
+    monkeypatch.setattr(E, "read_outputs", E.read_outputs)  # the probe wraps it
+    G.patch_engine(A)
+    G.patch_engine(A)  # once only
+    assert A._EngineHooks.__init__._bench_probe
+
     monkeypatch.setenv(G.PROFILE_ENV, "generate=1")
-    G.attach_probe(engine)
-    G.attach_probe(engine)  # once only
-    params = SimpleNamespace(n=1, temperature=1.0, logprobs=0, max_tokens=8, detokenize=True)
+    engine = vllm_engine(tmp_path, rank=1)
+    base = type("Base", (), {"__init__": lambda self, *args, **kwargs: None})
+    trainer = type("Trainer", (A.GRPOHooks, base), {})(
+        args=SimpleNamespace(use_vllm=False), engine_factory=lambda t: engine
+    )
+    assert trainer.engine is engine and engine.llm.generate._bench_probe and E.read_outputs._bench_probe
+    G.probe_engine(engine)  # once only
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kwargs: SimpleNamespace(**kwargs)))
     for batch in ([[1, 2, 3]] * 2, [[4, 5]] * 2):
-        outputs = engine.llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        sys.modules["trl.generation.vllm_generation"].extract_logprobs(outputs)
+        out = engine._generate(batch, Sampling(max_tokens=8, top_k=3))
+        assert out.completion_ids == [list(range(len(p))) for p in batch]
     record, calls, extract = G.read_probe(tmp_path, rank=1)
     assert record["config"]["max_num_seqs"] == 128 and record["config"]["max_cudagraph_capture_size"] == 256
     assert record["config"]["engine_core_client"] == "SimpleNamespace" and record["gc_off"] is False
     assert [c["prompt_token_ids"] for c in calls] == [[[1, 2, 3]] * 2, [[4, 5]] * 2]
     assert [c["completion_tokens"] for c in calls] == [6, 4] and [c["requests"] for c in calls] == [2, 2]
-    assert calls[0]["sampling"]["logprobs"] == 0 and calls[0]["sampling"]["top_k"] is None
+    assert calls[0]["sampling"]["logprobs"] == 0 and calls[0]["sampling"]["top_k"] == 3
+    assert calls[0]["sampling"]["detokenize"] is False and calls[0]["sampling"]["flat_logprobs"] is True
     assert calls[0]["gc_tracked_objects"] > 0 and "gc_tracked_objects" not in calls[1]
     assert set(extract) == {0, 1} and all(c["llm_generate_s"] >= 0 for c in calls)
     profile = json.loads((tmp_path / "bench" / "profile.generate.rank1.json").read_text())
@@ -354,15 +380,13 @@ def test_probe_records_each_generate_of_a_rank(tmp_path, monkeypatch):
 
 
 def test_trl_engine_and_training_step_are_probed_in_a_worker(tmp_path, monkeypatch):
-    """TRL's engine (no run_dir of its own) records into the worker's RUN_DIR; the training_step call named in
-    COLOCATE_BENCH_PROFILE is profiled (test doubles for TRL's classes: the probe patches them by name)."""
+    """TRL's engine (`generation.engine: trl`, no run_dir of its own) records into the worker's RUN_DIR, its
+    extraction TRL's `extract_logprobs`; the training_step call named in COLOCATE_BENCH_PROFILE is profiled (a test
+    double for TRL's trainer class: the probe patches it by name)."""
     import torch
+    import trl.generation.vllm_generation as trl_vllm
 
-    class Engine:
-        mode = "colocate"
-
-        def _init_vllm(self):
-            self.llm, self.accelerator = FakeLLM(), SimpleNamespace(process_index=0)
+    from colocate_rl.rank.hf_engine import TRLEngine
 
     class Trainer:
         accelerator = SimpleNamespace(process_index=0)
@@ -371,14 +395,18 @@ def test_trl_engine_and_training_step_are_probed_in_a_worker(tmp_path, monkeypat
             return torch.ones(64, 64) @ torch.ones(64, 64) * x
 
     monkeypatch.setattr(sys, "argv", ["colocate_rl/worker.py", str(tmp_path)])
+    monkeypatch.setattr(trl_vllm, "extract_logprobs", trl_vllm.extract_logprobs)  # the probe wraps it
     monkeypatch.setenv(G.PROFILE_ENV, "train=1,generate=x")
     assert G.profile_targets() == {"train": 1}
-    G.patch_trl_engine(SimpleNamespace(VLLMGeneration=Engine))
     G.patch_trainer(SimpleNamespace(GRPOTrainer=Trainer))
-    engine, trainer = Engine(), Trainer()
-    engine._init_vllm()
-    engine.llm.generate([{"prompt_token_ids": [1, 2]}], SimpleNamespace(n=1), use_tqdm=False)
-    assert [c["completion_tokens"] for c in G.read_probe(tmp_path, 0)[1]] == [2]
+    engine, trainer = TRLEngine(SimpleNamespace(llm=FakeLLM(), accelerator=SimpleNamespace(process_index=0))), Trainer()
+    G.probe_engine(engine)
+    G.probe_engine(TRLEngine(SimpleNamespace(llm=None)))  # TRL's server mode: no vLLM in the rank, left alone
+    for batch in ([[1, 2]], [[3, 4, 5]]):  # as TRL's VLLMGeneration.generate calls them
+        outputs = engine.vllm.llm.generate([{"prompt_token_ids": p} for p in batch], SimpleNamespace(n=1))
+        trl_vllm.extract_logprobs(outputs)
+    _, calls, extract = G.read_probe(tmp_path, 0)
+    assert [c["completion_tokens"] for c in calls] == [2, 3] and set(extract) == {0, 1}
     assert [float(trainer.training_step(k)[0, 0]) for k in (1, 2, 3)] == [64.0, 128.0, 192.0]
     profile = json.loads((tmp_path / "bench" / "profile.train.rank0.json").read_text())
     assert any("mm" in name for name, _, _ in profile["top_cpu_ms"])  # call 1 was profiled
@@ -502,24 +530,24 @@ def test_sitecustomize_patches_the_engine_only_in_a_probed_worker():
 
     env = clean_env(PYTHONPATH=str(bench.PROBE_PATH), COLOCATE_BENCH_PROBE="1", COLOCATE_BENCH_PROFILE="train=2")
     code = (
-        "import colocate_rl.rank.vllm_engine as E, trl.trainer.grpo_trainer as T, sys;"
-        "print(E.ColocatedEngine._init_vllm._bench_probe, E.VLLMGeneration._init_vllm._bench_probe,"
-        " T.GRPOTrainer.training_step._bench_probe, [type(f).__name__ for f in sys.meta_path].count('_Finder'))"
+        "import colocate_rl.rank.adapter.trl as A, trl.trainer.grpo_trainer as T, sys;"
+        "print(A._EngineHooks.__init__._bench_probe, T.GRPOTrainer.training_step._bench_probe,"
+        " [type(f).__name__ for f in sys.meta_path].count('_Finder'))"
     )
     worker = subprocess.run([sys.executable, "-c", code, "colocate_rl.worker"], env=env, capture_output=True, text=True)
-    assert worker.stdout.strip() == "True True True 0", worker.stderr[-2000:]
+    assert worker.stdout.strip() == "True True 0", worker.stderr[-2000:]
     hooks = "import sys; print([type(f).__name__ for f in sys.meta_path if type(f).__name__ == '_Finder'])"
     other = subprocess.run([sys.executable, "-c", hooks], env=env, capture_output=True, text=True)
     assert other.stdout.strip() == "[]", other.stderr[-2000:]
 
 
 def test_an_experiments_recipe_override_reaches_both_sides(tmp_path):
-    """`--set trainer.extra_args.generation_kwargs={detokenize: false}` (an experiment row) changes TRL's
-    SamplingParams in the colocated run (TRL merges generation_kwargs last), so the standalone's `trl` variant
+    """`--set trainer.extra_args.generation_kwargs={detokenize: true}` (an experiment row) changes the engine's
+    SamplingParams in the colocated run (generation_kwargs are merged last), so the standalone's `trl` variant
     follows it from the run directory."""
-    run_dir = tmp_path / "bench" / "runs" / "a128+nodetok"
-    argv_sets = ["trainer.extra_args.generation_kwargs={detokenize: false}", "trainer.seed=5"]
+    run_dir = tmp_path / "bench" / "runs" / "a128+detok"
+    argv_sets = ["trainer.extra_args.generation_kwargs={detokenize: true}", "trainer.seed=5"]
     plan_run_dir("a128", run_dir, args_for("set", argv_sets))
-    assert G.sampling_kwargs(G.build_engine(run_dir))["detokenize"] is False
+    assert G.sampling_kwargs(G.trl_config(G.read_launch(run_dir)))["detokenize"] is True
     kwargs = G.engine_kwargs(run_dir)
     assert kwargs["max_num_seqs"] == 128 and kwargs["seed"] == 5  # vLLM samples from trainer.seed on rank 0

@@ -214,6 +214,7 @@ import json, sys
 from vllm import LLM, SamplingParams
 from trl.generation.vllm_generation import extract_logprobs as trl_extract
 from colocate_rl.rank import vllm_engine as E
+from colocate_rl.rank.adapter import vllm as vl
 
 llm = LLM(model=sys.argv[1], enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=256, seed=0,
           logprobs_mode="processed_logprobs")
@@ -221,20 +222,28 @@ prompts = [{"prompt_token_ids": [10 + i, 20 + i, 30]} for i in range(16)]
 kwargs = dict(temperature=1.0, max_tokens=48, logprobs=0, seed=3, detokenize=False)
 flat = llm.generate(prompts, SamplingParams(**kwargs, flat_logprobs=True), use_tqdm=False)
 nested = llm.generate(prompts, SamplingParams(**kwargs), use_tqdm=False)
-trl_flat, trl_nested = trl_extract(flat), trl_extract(nested)
-E.trl_extract_logprobs = None  # the flat outputs must not need TRL's per-token loop
-ours = E.extract_logprobs(flat)
-assert type(flat[0].outputs[0].logprobs).__name__ == "FlatLogprobs"
-assert ours == trl_flat, "flat: colocate-rl's extraction differs from TRL's on the same outputs"
-same_ids = trl_nested[1] == ours[1]
-diff = max(abs(a[0] - b[0]) for s, t in zip(ours[0], trl_nested[0]) for a, b in zip(s, t)) if same_ids else None
-print(json.dumps({"tokens": sum(len(s) for s in ours[0]), "nested_same_tokens": same_ids, "nested_max_diff": diff}))
+
+
+def sampled(trl_result):  # what TRL's generation step keeps of extract_logprobs: the sampled token's, per position
+    logprobs, token_ids = trl_result
+    return [[lp[0] for lp in seq] for seq in logprobs], [[t[0] for t in seq] for seq in token_ids]
+
+
+assert all(vl.flat_logprobs(o) is not None for r in flat for o in r.outputs), "flat outputs not read as flat lists"
+ours, ours_nested = E.read_outputs(flat), E.read_outputs(nested)
+assert (ours.logprobs, ours.completion_ids) == sampled(trl_extract(flat)), "flat: read_outputs differs from TRL's"
+assert (ours_nested.logprobs, ours_nested.completion_ids) == sampled(trl_extract(nested)), "nested: differs from TRL's"
+same_ids = ours.completion_ids == ours_nested.completion_ids
+diff = max(abs(a - b) for s, t in zip(ours.logprobs, ours_nested.logprobs) for a, b in zip(s, t)) if same_ids else None
+tokens = sum(len(s) for s in ours.completion_ids)
+print(json.dumps({"tokens": tokens, "nested_same_tokens": same_ids, "nested_max_diff": diff}))
 """
 
 
-def test_flat_logprobs_extract_as_trl_does(tmp_path):
-    """vLLM 0.26's real flat logprobs (what colocate-rl's engine asks for) read without TRL's per-token loop give
-    TRL's result on the same outputs; against nested logprobs of the same seeded requests the figures are printed."""
+def test_flat_logprobs_read_as_trl_does(tmp_path):
+    """vLLM 0.26's real flat logprobs (what colocate-rl's engine asks for) read by `read_outputs` from the flat lists
+    give what TRL's `extract_logprobs` gives on the same outputs (the sampled token's logprob and id per position),
+    and so do nested logprobs read per position; flat against nested of the same seeded requests is printed."""
     from colocate_rl.builtin_model import build_model_in_subprocess
 
     model = build_model_in_subprocess("qwen2.5-0.5b", tmp_path / "model", dtype="bfloat16")
@@ -301,7 +310,7 @@ def test_micro_batch_auto_runs_the_size_the_plan_chose(tmp_path):
 STALE_REWARD = """
 import colocate_rl.rank.vllm_engine as E
 
-_push, _calls = E.ColocatedEngine._push_weights, []
+_push, _calls = E.VLLMEngine._push, []
 
 
 def _push_only_once(self):  # fault injected by the test: after the first push, vLLM never gets new weights
@@ -310,7 +319,7 @@ def _push_only_once(self):  # fault injected by the test: after the first push, 
         _push(self)
 
 
-E.ColocatedEngine._push_weights = _push_only_once
+E.VLLMEngine._push = _push_only_once
 
 
 def reward(completions, **kwargs):  # random: non-zero advantages, so the trainer's weights do move

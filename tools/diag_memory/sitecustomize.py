@@ -1,6 +1,7 @@
 """Memory diagnostic (GPU, not part of the package): in colocate-rl's worker processes, print GPU memory, every live
-CUDA tensor's size and ZeRO-3 parameter state just before each of the first 4 weight syncs (`[diag] {json}`);
-with DIAG_RELEASE=1, from the second sync on, also call DeepSpeed's engine.empty_partition_cache() and print again.
+CUDA tensor's size and ZeRO-3 parameter state just before each of the first 4 weight pushes of colocate-rl's engine
+(`VLLMEngine.push_weights`; `[diag] {json}`); with DIAG_RELEASE=1, from the second push on, also call DeepSpeed's
+engine.empty_partition_cache() and print again.
 Python loads it from PYTHONPATH at start-up (docs/benchmarks/README.md, mem-probe accuracy, session 4):
 
     PYTHONPATH=tools/diag_memory DIAG_RELEASE=1 colocate-rl train recipes/gpu-1.5b-layout-zero3.yaml -v \
@@ -21,7 +22,9 @@ if "colocate_rl.worker" in " ".join(getattr(sys, "orig_argv", sys.argv)):
 
         import torch
 
-        orig = E.ColocatedEngine.sync_weights
+        from colocate_rl.rank.adapter.deepspeed import deepspeed_engine
+
+        orig = E.VLLMEngine.push_weights
 
         def report(self, tag):
             torch.cuda.synchronize()
@@ -66,18 +69,18 @@ if "colocate_rl.worker" in " ".join(getattr(sys, "orig_argv", sys.argv)):
                 flush=True,
             )
 
-        def sync_weights(self):
+        def push_weights(self):
             self._diag_n = getattr(self, "_diag_n", -1) + 1
-            if self.mode == "colocate" and self._diag_n < 4:
+            if self._diag_n < 4:
                 report(self, "before sync")
-                eng = self._deepspeed_engine()
+                eng = deepspeed_engine(self.accelerator)
                 if os.environ.get("DIAG_RELEASE") == "1" and self._diag_n >= 1 and eng is not None:
                     eng.empty_partition_cache()
                     report(self, "after empty_partition_cache")
             return orig(self)
 
-        E.ColocatedEngine.sync_weights = sync_weights
-        print("[diag] patched ColocatedEngine.sync_weights", flush=True)
+        E.VLLMEngine.push_weights = push_weights
+        print("[diag] patched VLLMEngine.push_weights", flush=True)
 
     class _Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
