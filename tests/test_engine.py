@@ -230,6 +230,7 @@ def test_sampling_asks_for_flat_logprobs_and_no_text_unless_asked_or_needed_for_
     assert kwargs({"stop": [], "seed": 1}) == {"detokenize": False, **base, "stop": [], "seed": 1}
     assert kwargs({"flat_logprobs": False}) == {"detokenize": False, **base, "flat_logprobs": False}
     assert E.sampling_kwargs(SAMPLING.at_temperature(0))["temperature"] == 0  # greedy (evaluation)
+    assert E.sampling_kwargs(SAMPLING.without_logprobs())["logprobs"] is None  # RLOO and evaluation read none
 
 
 # vLLM cannot be installed on CPU machines, so these doubles copy vLLM 0.26's output shapes (vllm/logprobs.py:

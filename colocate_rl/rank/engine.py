@@ -30,9 +30,10 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    min_p: float = 0.0
+    min_p: float | None = None  # None: no min-p filter
     repetition_penalty: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
+    logprobs: bool = True  # the sampled tokens' logprobs, where the engine can return them (RLOO reads none)
 
     @classmethod
     def from_args(cls, args: Any) -> Sampling:
@@ -42,13 +43,16 @@ class Sampling:
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k or 0,
-            min_p=args.min_p or 0.0,
+            min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
             extra=dict(args.generation_kwargs or {}),
         )
 
     def at_temperature(self, temperature: float) -> Sampling:
         return replace(self, temperature=temperature)
+
+    def without_logprobs(self) -> Sampling:
+        return replace(self, logprobs=False)
 
 
 @dataclass

@@ -87,7 +87,7 @@ def evaluate(trainer, dataset, temperature: float) -> dict[str, float | None]:
     first = accelerator.process_index * share
     rows = [dataset[min(i, n - 1)] for i in range(first, first + share)]
     prompts = [row["prompt"] for row in rows]
-    sampling = Sampling.from_args(trainer.args).at_temperature(temperature)
+    sampling = Sampling.from_args(trainer.args).at_temperature(temperature).without_logprobs()
     model, was_training = trainer.model, trainer.model.training
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):

@@ -59,9 +59,9 @@ def sampling_kwargs(sampling: Sampling) -> dict[str, Any]:
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
-        "min_p": sampling.min_p,
+        "min_p": 0.0 if sampling.min_p is None else sampling.min_p,
         "max_tokens": sampling.max_tokens,
-        "logprobs": 0,  # the sampled token's only: TRL's importance-sampling correction
+        "logprobs": 0 if sampling.logprobs else None,  # the sampled token's only: the importance-sampling correction
         "flat_logprobs": True,
         **sampling.extra,
     }

@@ -107,10 +107,11 @@ class _EngineHooks:
                 out.logprobs = None if out.logprobs is None or part.logprobs is None else out.logprobs + part.logprobs
             return out
 
-    def _engine_generate(self, prompt_ids, images, multimodal_fields) -> Generation:
+    def _engine_generate(self, prompt_ids, images, multimodal_fields, logprobs: bool = True) -> Generation:
         if images is not None and any(i is not None for i in images) or multimodal_fields:
             raise ValueError("colocate-rl's generation engines take text prompts only (no images)")
-        return self.generate_completions(prompt_ids, Sampling.from_args(self.args))
+        sampling = Sampling.from_args(self.args)
+        return self.generate_completions(prompt_ids, sampling if logprobs else sampling.without_logprobs())
 
     def training_step(self, *args, **kwargs):
         with self.phase("train"):
@@ -138,7 +139,9 @@ class GRPOHooks(_EngineHooks):
 
 class RLOOHooks(_EngineHooks):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
-        return self._engine_generate(prompt_ids, images, multimodal_fields).completion_ids
+        return self._engine_generate(
+            prompt_ids, images, multimodal_fields, logprobs=False
+        ).completion_ids  # RLOO reads none
 
 
 def engine_trainer(trainer_cls: type) -> type:
