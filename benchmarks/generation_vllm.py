@@ -99,12 +99,10 @@ def trl_config(launch):
     """TRL's GRPOConfig / RLOOConfig of the run (the rank builds it the same way, colocate_rl/rank/worker.py),
     without NOT_FOR_GENERATION. A generation batch size given in extra_args is turned into steps per generation with
     the run's world size (TRL derives it from the world size of the process that builds the config)."""
+    from colocate_rl.algorithms import trainer_classes
     from colocate_rl.rank.worker import config_args
 
-    if launch.algorithm == "grpo":
-        from trl import GRPOConfig as Config
-    else:
-        from trl import RLOOConfig as Config
+    Config, _ = trainer_classes(launch.algorithm)
     args = {k: v for k, v in launch.trl_args.items() if k not in NOT_FOR_GENERATION}
     args.update(bf16=False, fp16=False)
     if args.get("generation_batch_size") is not None and args.get("steps_per_generation") is None:
@@ -113,8 +111,8 @@ def trl_config(launch):
     return Config(**config_args(Config, args))
 
 
-def trl_engine_init_kwargs(args, algorithm: str) -> dict[str, Any]:
-    """What TRL's GRPOTrainer / RLOOTrainer pass to VLLMGeneration in colocate mode (grpo_trainer.py:1107-1138,
+def trl_engine_init_kwargs(args, trainer: str) -> dict[str, Any]:
+    """What TRL's GRPOTrainer ("grpo") / RLOOTrainer ("rloo") pass to VLLMGeneration in colocate mode (grpo_trainer.py:1107-1138,
     rloo_trainer.py:752-783 of TRL 1.16; checked against a real trainer by tests/test_bench_generation.py)."""
     return dict(
         mode=args.vllm_mode,
@@ -132,7 +130,7 @@ def trl_engine_init_kwargs(args, algorithm: str) -> dict[str, Any]:
         top_k=args.top_k,
         min_p=args.min_p,
         max_completion_length=args.max_completion_length,
-        logprobs=0 if algorithm == "grpo" else None,
+        logprobs=0 if trainer == "grpo" else None,
         generation_kwargs=args.generation_kwargs,
     )
 
@@ -167,7 +165,9 @@ def build_engine(run_dir: Path, rank: int = 0):
         state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None),
     )
     model = SimpleNamespace(name_or_path=launch.model_path)
-    return cls(model, accelerator, None, **trl_engine_init_kwargs(config, launch.algorithm))
+    from colocate_rl.algorithms import get
+
+    return cls(model, accelerator, None, **trl_engine_init_kwargs(config, get(launch.algorithm).trainer))
 
 
 def engine_kwargs(run_dir: Path, rank: int = 0) -> dict[str, Any]:
