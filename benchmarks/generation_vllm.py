@@ -102,12 +102,10 @@ def trl_config(launch):
     """TRL's GRPOConfig / RLOOConfig of the run (the rank builds it the same way, colocate_rl/rank/worker.py),
     without NOT_FOR_GENERATION. A generation batch size given in extra_args is turned into steps per generation with
     the run's world size (TRL derives it from the world size of the process that builds the config)."""
+    from colocate_rl.algorithms import trainer_classes
     from colocate_rl.rank.worker import config_args
 
-    if launch.algorithm == "grpo":
-        from trl import GRPOConfig as Config
-    else:
-        from trl import RLOOConfig as Config
+    Config, _ = trainer_classes(launch.algorithm)
     args = {k: v for k, v in launch.trl_args.items() if k not in NOT_FOR_GENERATION}
     args.update(bf16=False, fp16=False)
     if args.get("generation_batch_size") is not None and args.get("steps_per_generation") is None:

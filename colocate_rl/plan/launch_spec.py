@@ -15,7 +15,7 @@ from colocate_rl.plan.engine_options import EngineOptions
 @dataclass(frozen=True)
 class LaunchSpec:
     model_path: str  # the run dir's built-in model link, or the recipe's model name/path
-    algorithm: str  # grpo or rloo
+    algorithm: str  # an algorithm's name (colocate_rl.algorithms): it picks TRL's config and trainer class
     backend: str  # vllm or transformers
     device: str  # cuda or cpu
     world_size: int

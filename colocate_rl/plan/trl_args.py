@@ -1,5 +1,6 @@
-"""TRL's GRPOConfig/RLOOConfig arguments of a run, and which TRL fields colocate-rl owns (so that
-`trainer.extra_args` cannot override them). Torch-free."""
+"""TRL's GRPOConfig/RLOOConfig arguments of a run: colocate-rl's own, then the algorithm's preset
+(colocate_rl.algorithms), then `trainer.extra_args`; and which TRL fields colocate-rl owns (so that neither the
+preset nor `trainer.extra_args` can override them). Torch-free."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from colocate_rl import rundir
+from colocate_rl import algorithms, rundir
 from colocate_rl.errors import did_you_mean
 
 if TYPE_CHECKING:
@@ -80,14 +81,16 @@ EVALUATION_FIELDS = {
 }
 
 
-def trl_field_names(algorithm: str) -> set[str]:
-    """Field names of TRL's GRPOConfig / RLOOConfig for the pinned TRL (checked against TRL by a test)."""
+def trl_field_names(trainer: str) -> set[str]:
+    """Field names of TRL's GRPOConfig ("grpo") / RLOOConfig ("rloo") for the pinned TRL (checked against TRL by a
+    test)."""
     data = json.loads(resources.files("colocate_rl.recipe").joinpath("trl_fields.json").read_text())
-    return set(data[algorithm])
+    return set(data[trainer])
 
 
 def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
-    """Keyword arguments of TRL's GRPOConfig/RLOOConfig for this run (extra_args included)."""
+    """Keyword arguments of TRL's GRPOConfig/RLOOConfig for this run: colocate-rl's own < the algorithm's preset <
+    `trainer.extra_args` (neither may hold a field colocate-rl manages: see check_extra_args and the tests)."""
     recipe, trainer, gen = resolved.recipe, resolved.recipe.trainer, resolved.recipe.generation
     args: dict[str, Any] = {
         "output_dir": str(run_dir / rundir.CHECKPOINTS),
@@ -125,6 +128,7 @@ def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
         )
         if gen.max_model_length is not None:
             args["vllm_max_model_length"] = gen.max_model_length
+    args.update(algorithms.get(recipe.algorithm).preset)
     args.update(trainer.extra_args)
     return args
 
@@ -140,14 +144,14 @@ KIND_NAMES = {
 }
 
 
-def trl_value_kinds(algorithm: str) -> dict[str, dict[str, list]]:
+def trl_value_kinds(trainer: str) -> dict[str, dict[str, list]]:
     """Field → {"kinds": the JSON kinds TRL takes (bool, int, float, str, null, list, dict or any), "choices": the
     strings it takes, when it checks them} of GRPOConfig / RLOOConfig (the pinned TRL; checked by a test)."""
     import json
     from importlib import resources
 
     data = json.loads(resources.files("colocate_rl.recipe").joinpath("trl_fields.json").read_text())
-    return data["types"][algorithm]
+    return data["types"][trainer]
 
 
 def _value_kind(value: Any) -> str:
@@ -193,15 +197,18 @@ def _check_trl_value(path: str, value: Any, spec: dict[str, list], config_name: 
 
 
 def check_extra_args(recipe: Recipe) -> list[str]:
-    """Problems with `trainer.extra_args`: keys colocate-rl or the trainer section owns, names TRL does not have,
-    values of the wrong kind for the pinned TRL."""
+    """Problems with `trainer.extra_args` and the algorithm: keys colocate-rl or the trainer section owns, keys that
+    contradict the algorithm, names TRL does not have, values of the wrong kind for the pinned TRL; then what the
+    algorithm needs from the rest of the recipe."""
     problems = []
-    known = trl_field_names(recipe.algorithm)
-    value_kinds = trl_value_kinds(recipe.algorithm)
+    algorithm = algorithms.get(recipe.algorithm)
+    known = trl_field_names(algorithm.trainer)
+    value_kinds = trl_value_kinds(algorithm.trainer)
     owned = set(type(recipe.trainer).model_fields) - {"extra_args"}
-    config_name = "GRPOConfig" if recipe.algorithm == "grpo" else "RLOOConfig"
-    for key in recipe.trainer.extra_args:
+    config_name = algorithm.config_name
+    for key, value in recipe.trainer.extra_args.items():
         path = f"trainer.extra_args.{key}"
+        conflict = algorithm.conflict(key, value)
         if key in owned:
             problems.append(f"{path}: set it as trainer.{key} instead")
         elif key in MANAGED_TRL_FIELDS:
@@ -211,11 +218,13 @@ def check_extra_args(recipe: Recipe) -> list[str]:
                 f"{path}: TRL's own evaluation is not used; remove it and evaluate with the recipe's eval section "
                 "(eval.every_steps, eval.num_samples, eval.temperature, eval.source)"
             )
+        elif conflict:
+            problems.append(conflict)
         elif key not in known:
             hint = did_you_mean(key, known) or f"see TRL's {config_name} for valid names"
             problems.append(f"{path}: not a field of TRL {config_name}; {hint}")
         elif key in value_kinds:
-            problem = _check_trl_value(path, recipe.trainer.extra_args[key], value_kinds[key], config_name)
+            problem = _check_trl_value(path, value, value_kinds[key], config_name)
             if problem:
                 problems.append(problem)
-    return problems
+    return problems + algorithm.problems(recipe)

@@ -207,12 +207,9 @@ def build_trainer(run_dir: Path):
     checkpoints = make_checkpoint_callback(run_dir, recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes)
     evaluation = make_eval_callback(recipe)  # None unless eval.every_steps
 
-    if recipe.algorithm == "grpo":
-        from trl import GRPOConfig as Config
-        from trl import GRPOTrainer as Trainer
-    else:
-        from trl import RLOOConfig as Config
-        from trl import RLOOTrainer as Trainer
+    from colocate_rl.algorithms import trainer_classes
+
+    Config, Trainer = trainer_classes(launch.algorithm)
     if "deepspeed" in launch.trl_args:
         # DeepSpeed reads the world size from its own comm layer: bring it up before HF builds the config
         # (accelerate alone leaves it unset on CPU, and ZeRO-3 then sees a world of 1).

@@ -1,12 +1,12 @@
 """The recipe schema: one typed pydantic model per section, `extra="forbid"` everywhere.
 
 Loading and `--set` overrides are in `colocate_rl.recipe.load`; validation errors become one line per problem in
-`colocate_rl.recipe.messages`.
+`colocate_rl.recipe.messages`; shared value types in `colocate_rl.recipe.values`; algorithms in
+`colocate_rl.algorithms`.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -14,7 +14,6 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
-    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     Strict,
@@ -22,52 +21,8 @@ from pydantic import (
     model_validator,
 )
 
-SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a size string such as `12GiB`, `512 MiB`, `8e9`. Raises ValueError otherwise."""
-    if isinstance(value, bool):
-        raise ValueError("expected a size such as 12GiB")
-    if isinstance(value, (int, float)):
-        size = float(value)
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", value)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in SIZE_UNITS:
-            raise ValueError("expected bytes or a size such as 12GiB, 512MiB, 20GB")
-        size = float(match.group(1)) * SIZE_UNITS[unit]
-    if size < 1:
-        raise ValueError("must be a positive size")
-    return int(size)
-
-
-# Whole numbers as written: pydantic alone would take 8.0, 1.0e+9 or "8" for an int and true for 1.
-Count = Annotated[PositiveInt, Strict()]
-Index = Annotated[NonNegativeInt, Strict()]
-SEED_MAX = 2**32 - 1  # numpy's seeding (transformers' set_seed) takes 0 … 2**32 - 1
-# A Hub repo id as huggingface_hub's validate_repo_id takes it: `name` or `owner/name`, each part 1-96 letters, digits,
-# '-', '_' and '.' that starts and ends with a letter, digit or '_'; no '--' or '..', no '.git' at the end.
-_HUB_PART = r"\w(?:[\w.-]{0,94}\w)?"
-HUB_REPO_ID = re.compile(rf"(?:{_HUB_PART}/)?{_HUB_PART}", re.ASCII)
-
-
-def _whole(value: Any) -> Any:
-    """A number as written for a choice of whole numbers (`sleep_level`, `zero_stage`): true or 2.0 is refused."""
-    if isinstance(value, (bool, float)):
-        raise ValueError(f"must be written as a whole number such as 2, not {str(value).lower()}")
-    return value
+from colocate_rl import algorithms
+from colocate_rl.recipe.values import SEED_MAX, Count, Index, check_repo_id, parse_size, whole
 
 
 class _Section(BaseModel):
@@ -260,7 +215,7 @@ class GenerationSection(_Section):
             parse_size(value)
         return value
 
-    _sleep_level_whole = field_validator("sleep_level", mode="before")(_whole)
+    _sleep_level_whole = field_validator("sleep_level", mode="before")(whole)
 
     enforce_eager: bool = Field(
         False,
@@ -360,7 +315,7 @@ class DistributedSection(_Section):
         "auto", description="auto = bf16 on GPU, no on CPU; applied to the trainer and DeepSpeed alike."
     )
 
-    _zero_stage_whole = field_validator("zero_stage", mode="before")(_whole)
+    _zero_stage_whole = field_validator("zero_stage", mode="before")(whole)
 
 
 class CheckpointSection(_Section):
@@ -408,15 +363,7 @@ class OutputSection(_Section):
     def _repo_id(cls, value, info):
         if value is None:
             return value
-        if isinstance(value, bool):
-            raise ValueError("must name the repo to push to, such as your-name/my-model")
-        if not isinstance(value, str) or not HUB_REPO_ID.fullmatch(value) or "--" in value or ".." in value:
-            raise ValueError(
-                "must be a Hub repo id such as your-name/my-model or my-model (letters, digits, '-', '_' and '.'; "
-                "at most 96 characters a part)"
-            )
-        if value.endswith(".git"):
-            raise ValueError("must not end in .git: give the repo id, such as your-name/my-model")
+        check_repo_id(value)
         if info.data.get("save_model") is False:
             raise ValueError(
                 "needs output.save_model: true (the launcher uploads <run_dir>/final once the run has saved it); "
@@ -429,7 +376,11 @@ class Recipe(_Section):
     """A whole recipe."""
 
     name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Run name (used in run_dir).")
-    algorithm: Literal["grpo", "rloo"] = Field("grpo", description="TRL trainer: GRPOTrainer or RLOOTrainer.")
+    algorithm: str = Field(
+        "grpo",
+        description="The RL algorithm by name (see Algorithms above): grpo and rloo are TRL's GRPOTrainer and "
+        "RLOOTrainer as shipped; the others run on GRPOTrainer with their paper's settings preset.",
+    )
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     rewards: list[RewardSpec] = Field(min_length=1, description="Reward functions and reward models (at least one).")
@@ -440,3 +391,5 @@ class Recipe(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     watchdog: WatchdogSection = Field(default_factory=WatchdogSection)
     output: OutputSection = Field(default_factory=OutputSection)
+
+    _algorithm = field_validator("algorithm")(algorithms.check_name)
