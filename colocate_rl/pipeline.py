@@ -222,7 +222,7 @@ RESUMABLE = (
 )
 
 
-def recorded_by_earlier_versions(recipe: Recipe, spec: LaunchSpec, deepspeed: dict[str, Any] | None) -> dict[str, Any]:
+def _earlier_version_values(recipe: Recipe, spec: LaunchSpec, deepspeed: dict[str, Any] | None) -> dict[str, Any]:
     """A run directory written before every decided value went into its recipe.yaml: the keys it leaves `auto`, as
     its launch.json and deepspeed.json hold them (dotted key → value; {} for a run directory of this version)."""
     from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout
@@ -287,7 +287,7 @@ def plan_resume(
     latest, earlier = complete[-1], LaunchSpec.read(paths.launch_spec)
     deepspeed = json.loads(paths.deepspeed.read_text()) if paths.deepspeed.is_file() else None
     recorded = read_yaml(paths.recipe)
-    earlier_values = recorded_by_earlier_versions(parse_recipe(recorded, str(paths.recipe)), earlier, deepspeed)
+    earlier_values = _earlier_version_values(parse_recipe(recorded, str(paths.recipe)), earlier, deepspeed)
     overrides = resolve_override_paths(overrides or {}, cwd)  # the run's recipe.yaml holds absolute paths
     data, _ = layer_distributed(apply_overrides(recorded, earlier_values), overrides, flags or {}, env)
     recipe = parse_recipe(data, str(paths.recipe))

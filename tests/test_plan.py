@@ -283,3 +283,30 @@ def test_resume_of_a_run_dir_written_before_every_value_was_recorded(tmp_path):
     assert r.choice_lines() == []
     assert resumed.files["recipe.yaml"] == plan.files["recipe.yaml"]
     assert resumed.files["deepspeed.json"] == plan.files["deepspeed.json"]
+
+
+def test_auto_keys_name_every_recipe_key_that_may_be_auto():
+    from pydantic import BaseModel
+
+    from colocate_rl.recipe.schema import Recipe
+
+    found = {
+        f"{section}.{key}"
+        for section, info in Recipe.model_fields.items()
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)
+        for key, field in info.annotation.model_fields.items()
+        if "'auto'" in repr(field.annotation)
+    }
+    assert found == set(AUTO_KEYS)
+
+
+def test_a_preflight_serves_only_the_recipe_it_read(tmp_path):
+    from colocate_rl.plan.preflight import preflight
+    from colocate_rl.plan.resolve import bind_to_host
+
+    recipe = parse_recipe({"rewards": [{"name": "digit_share"}]})
+    pre = preflight(recipe)
+    assert bind_to_host(recipe.model_copy(update={"name": "other"}), CPU, pre).preflight is pre  # reads nothing more
+    other = parse_recipe({"rewards": [{"name": "format_think"}]})
+    with pytest.raises(ValueError, match="pre-flight was read for another recipe"):
+        bind_to_host(other, CPU, pre)
