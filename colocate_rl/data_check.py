@@ -340,11 +340,11 @@ def check_reward_on_sample(fn, name: str, sample: DataSample, *, key: str, chat:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def check_reward_model(name: str, *, key: str, chat: bool) -> None:
+def check_reward_model(name: str, *, key: str, chat: bool) -> dict:
     """A reward model TRL can load and score with: a sequence classifier with one label (`...ForSequenceClassification`,
     num_labels 1) and, in a local directory, its own tokenizer (with a chat template for `chat` data). Reads config
-    files only (a hub model's config through AutoConfig; nothing else is downloaded, no model is loaded). UserError
-    naming `key` otherwise, also for a hub id whose config cannot be had (offline and not cached)."""
+    files only (a hub model's config through AutoConfig; nothing else is downloaded, no model is loaded). Returns its
+    config; UserError naming `key` otherwise, also for a hub id whose config cannot be had (offline and not cached)."""
     from colocate_rl.model_config import looks_local, model_config
 
     if name.startswith("builtin:"):
@@ -377,6 +377,7 @@ def check_reward_model(name: str, *, key: str, chat: bool) -> None:
             f"{key}: '{name}' has no chat template and data.chat is true; TRL formats prompt + completion with the "
             "reward model's chat template: add one to its tokenizer_config.json, or set data.chat: false"
         )
+    return cfg
 
 
 def _has_chat_template(folder: str) -> bool:

@@ -1,49 +1,61 @@
 """From a recipe argument to a resolved recipe and a launch plan: the steps every verb shares.
 
     find_recipe → read YAML → paths made absolute (colocate_rl.recipe.paths) → layer node keys and overrides (defaults < recipe < Slurm < overrides and node flags)
-    → parse (schema) → bind to the host (cross-field checks) → auto layout (zero_stage / gradient_checkpointing
-    auto) → auto sleep level (generation.sleep_level auto) → auto micro-batch (trainer.micro_batch_size auto) → plan
+    → parse (schema) → pre-flight (the files and reward code the recipe names, read and run once: plan.preflight)
+    → bind to the host (cross-field checks) → auto layout (zero_stage / gradient_checkpointing auto) → auto sleep
+    level (generation.sleep_level auto) → auto micro-batch (trainer.micro_batch_size auto) → plan
 
+Everything after the pre-flight is a pure function of the recipe, the host and the pre-flight's result, so a command
+that resolves many variants of one recipe (`resolver`) reads the recipe file and the files it names once. The run
+directory records every decided value (`Resolved.recorded_recipe`); `plan_resume` reads them and decides nothing.
 Overrides travel as a mapping of dotted key → value (`colocate_rl.recipe.load.parse_sets` turns `--set` strings
 into one). Every step raises UserError with one line per problem; nothing here writes a file. Torch-free.
 """
 
 from __future__ import annotations
 
+import json
 import sys
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from colocate_rl.errors import UserError
 from colocate_rl.plan.host import Host
 from colocate_rl.plan.launch_plan import LaunchPlan, cache_dir, make_plan
-from colocate_rl.plan.resolve import Resolved, bind_to_host, check_engine
+from colocate_rl.plan.preflight import Preflight, preflight
+from colocate_rl.plan.resolve import bind_to_host, check_engine
+from colocate_rl.plan.resolved import Resolved, auto_keys
 from colocate_rl.plan.sources import explain_sources, layer_distributed
-from colocate_rl.recipe.load import parse_recipe, read_yaml
+from colocate_rl.recipe.load import apply_overrides, parse_recipe, read_yaml
 from colocate_rl.recipe.paths import resolve_override_paths, resolve_paths
 from colocate_rl.recipe.schema import Recipe
 from colocate_rl.recipe.shipped import find_recipe
 from colocate_rl.rundir import default_run_dir
 
+if TYPE_CHECKING:
+    from colocate_rl.plan.launch_spec import LaunchSpec
 
-def resolve(recipe: Recipe, host: Host) -> Resolved:
-    """Bind `recipe` to `host` and resolve the keys that are auto by the memory estimate: the layout (the fastest
-    that fits, estimated with vLLM asleep), then `generation.sleep_level` for that layout (0 when trainer and vLLM
-    fit together, else 2), then `trainer.micro_batch_size` (the largest that fits at that level; nothing to choose
-    when the step is one micro-batch); the resolved recipe holds what was chosen, so the run directory's recipe.yaml
-    does. Raise one UserError listing every problem."""
+
+def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolved:
+    """Bind `recipe` to `host` (over its pre-flight `pre`, run here when not given) and resolve the keys that are
+    auto by the memory estimate: the layout (the fastest that fits, estimated with vLLM asleep), then
+    `generation.sleep_level` for that layout (0 when trainer and vLLM fit together, else 2), then
+    `trainer.micro_batch_size` (the largest that fits at that level; nothing to choose when the step is one
+    micro-batch); the resolved recipe holds the sleep level and micro-batch chosen, `recorded_recipe()` every value.
+    Raise one UserError listing every problem."""
     from colocate_rl.memory.autolayout import choose_layout, choose_sleep_level, with_sleep_level
     from colocate_rl.memory.micro_batch import choose_micro_batch, with_micro_batch
 
+    pre = pre if pre is not None else preflight(recipe)
     auto_sleep = recipe.generation.sleep_level == "auto"
     if auto_sleep:
         recipe = with_sleep_level(recipe, 2)
     if isinstance(recipe.trainer.micro_batch_size, int):
         recipe = with_micro_batch(recipe, recipe.trainer.micro_batch_size)
-    resolved = bind_to_host(recipe, host)
+    resolved = bind_to_host(recipe, host, pre)
     gpu_gib = min(g.memory_gib for g in host.gpus) if host.gpus else None
     dist, trainer = recipe.distributed, recipe.trainer
     auto_stage = dist.zero_stage == "auto"
@@ -70,6 +82,61 @@ def resolve(recipe: Recipe, host: Host) -> Resolved:
     return resolved
 
 
+@dataclass(frozen=True)
+class RecipeInput:
+    """A recipe argument read once: the recipe file, its mapping (paths absolute, node keys and overrides layered)
+    and where each node key came from."""
+
+    path: Path
+    data: dict[str, Any]
+    sources: dict[str, str]
+    cwd: Path | None = None
+
+    def parse(self, changes: Mapping[str, Any] | None = None) -> Recipe:
+        """The recipe with `changes` (dotted key → value, on top of everything) applied, through the schema."""
+        data = apply_overrides(self.data, resolve_override_paths(changes, self.cwd)) if changes else self.data
+        try:
+            return parse_recipe(data, str(self.path))
+        except UserError as e:
+            raise UserError(*explain_sources(e.lines, self.sources))
+
+
+def read_recipe(
+    recipe: str | Path,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> RecipeInput:
+    """The recipe named by `recipe` (a file or a shipped recipe's name) with `overrides` and the node `flags`, under
+    the Slurm environment `env`. Relative paths start from the recipe file's directory, those of `overrides` from
+    `cwd` (default: the current directory); the result holds them absolute."""
+    path = find_recipe(str(recipe))
+    overrides = resolve_override_paths(overrides or {}, cwd)
+    data = resolve_paths(read_yaml(path), path.parent, cwd=cwd, overridden=overrides)
+    data, sources = layer_distributed(data, overrides, flags or {}, env or {})
+    return RecipeInput(path, data, sources, cwd)
+
+
+def resolver(source: RecipeInput, host: Host) -> Callable[[Mapping[str, Any]], Resolved]:
+    """`resolve_with(changes)`: `source`'s recipe with the dotted-key `changes` resolved for `host`. The pre-flight
+    runs on the first call and is reused by every later one whose changes leave what it read alone (the model, data,
+    rewards, eval), so the files and reward code are read and run once however many variants are planned."""
+    pre: list[Preflight] = []
+
+    def resolve_with(changes: Mapping[str, Any]) -> Resolved:
+        recipe = source.parse(changes)
+        if not pre or not pre[0].matches(recipe):
+            pre[:] = [preflight(recipe)]
+        try:
+            return resolve(recipe, host, pre[0])
+        except UserError as e:
+            raise UserError(*explain_sources(e.lines, source.sources))
+
+    return resolve_with
+
+
 def load_resolved(
     recipe: str | Path,
     overrides: Mapping[str, Any] | None = None,
@@ -79,18 +146,9 @@ def load_resolved(
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
 ) -> tuple[Resolved, dict[str, str]]:
-    """The recipe named by `recipe` (a file or a shipped recipe's name) with `overrides` and the node `flags`,
-    resolved for `host` under the Slurm environment `env`. Relative paths start from the recipe file's directory,
-    those of `overrides` from `cwd` (default: the current directory); the result holds them absolute. Returns it
-    and where each node key came from."""
-    path = find_recipe(str(recipe))
-    overrides = resolve_override_paths(overrides or {}, cwd)
-    data = resolve_paths(read_yaml(path), path.parent, cwd=cwd, overridden=overrides)
-    data, sources = layer_distributed(data, overrides, flags or {}, env or {})
-    try:
-        return resolve(parse_recipe(data, str(path)), host), sources
-    except UserError as e:
-        raise UserError(*explain_sources(e.lines, sources))
+    """`read_recipe`'s recipe resolved for `host`; returns it and where each node key came from."""
+    source = read_recipe(recipe, overrides, flags=flags, env=env, cwd=cwd)
+    return resolver(source, host)({}), source.sources
 
 
 def plan_run(
@@ -124,24 +182,18 @@ def plan_run(
 
 
 def estimate_host(
-    recipe: str | Path,
-    overrides: Mapping[str, Any],
-    *,
-    gpus: int | None,
-    gpu_memory_gib: float | None,
-    detected: Host,
+    recipe: Recipe, *, gpus: int | None, gpu_memory_gib: float | None, detected: Host
 ) -> tuple[Host, float]:
-    """The host `mem-probe --estimate` plans for and one GPU's memory: `gpus` assumed GPUs, else the detected ones,
-    else (no GPU here) the recipe's ranks per node; the memory given, else the detected GPU's. Fails (UserError)
-    when neither says what to plan for."""
+    """The host `mem-probe --estimate` plans `recipe` for and one GPU's memory: `gpus` assumed GPUs, else the
+    detected ones, else (no GPU here) the recipe's ranks per node; the memory given, else the detected GPU's. Fails
+    (UserError) when neither says what to plan for."""
     from colocate_rl.plan.host import planning_host
-    from colocate_rl.recipe.load import load_recipe
 
     gib = gpu_memory_gib or (detected.gpus[0].memory_gib if detected.gpus else None)
     if gib is None:
         raise UserError("--gpu-memory: no GPU detected here; give the memory of one GPU in GiB, e.g. --gpu-memory 80")
     if gpus is None and not detected.gpus:  # plan for the recipe's ranks per node
-        gpus = load_recipe(find_recipe(str(recipe)), overrides).distributed.nproc_per_node
+        gpus = recipe.distributed.nproc_per_node
         if gpus == "auto":
             raise UserError(
                 "--gpus: no GPU detected here and distributed.nproc_per_node is auto; pass --gpus N to "
@@ -151,9 +203,8 @@ def estimate_host(
 
 
 # What a resumed run may change: nothing its checkpoint was trained with (model, data, rewards, optimizer, batch,
-# ranks); more steps, logging, checkpoints, the watchdog, report backends, the push to the Hub, the node's place in
-# the job, and the keys that pin the trainer layout (checked: it must come out as the one the checkpoint was written
-# with).
+# ranks, trainer layout: the run directory records every value `auto` decided, and a resume decides nothing again);
+# more steps, logging, checkpoints, the watchdog, report backends, the push to the Hub, the node's place in the job.
 RESUMABLE = (
     "trainer.max_steps",
     "trainer.logging_steps",
@@ -168,12 +219,29 @@ RESUMABLE = (
     "distributed.rdzv_endpoint",
     "distributed.rdzv_id",
     "distributed.rdzv_backend",
-    "distributed.zero_stage",
-    "distributed.deepspeed",
-    "distributed.offload_optimizer",
-    "distributed.offload_params",
-    "trainer.gradient_checkpointing",
 )
+
+
+def _earlier_version_values(recipe: Recipe, spec: LaunchSpec, deepspeed: dict[str, Any] | None) -> dict[str, Any]:
+    """A run directory written before every decided value went into its recipe.yaml: the keys it leaves `auto`, as
+    its launch.json and deepspeed.json hold them (dotted key → value; {} for a run directory of this version)."""
+    from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout
+
+    args, zero = spec.trl_args, ZeroLayout.of(deepspeed)
+    known = {
+        "distributed.nproc_per_node": spec.world_size // recipe.distributed.nnodes,
+        "distributed.mixed_precision": "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "no",
+        "model.dtype": spec.model_dtype,
+        "generation.backend": spec.backend,
+        "trainer.gradient_checkpointing": bool(args.get("gradient_checkpointing")),
+        "distributed.zero_stage": zero.stage,
+    }
+    out = {key: value for key, value in known.items() if key in auto_keys(recipe)}
+    if "distributed.zero_stage" in out:
+        dist = recipe.distributed
+        out["distributed.deepspeed"] = dist.deepspeed or AUTO_BASE_CONFIG
+        out.update({f"distributed.{k}": getattr(zero, k) for k in ("offload_optimizer", "offload_params")})
+    return out
 
 
 def plan_resume(
@@ -186,9 +254,10 @@ def plan_resume(
     cwd: Path,
     python: str = sys.executable,
 ) -> tuple[Resolved, LaunchPlan]:
-    """`train --resume RUN_DIR`: the run's own resolved recipe (plus the `RESUMABLE` overrides) planned to continue
-    from its newest complete checkpoint, with the same ranks. Fails (UserError) when there is nothing to resume, the
-    run finished, an override would change what the checkpoint carries, or the ranks differ."""
+    """`train --resume RUN_DIR`: the run's own recipe as its run directory recorded it (every `auto` decided when
+    it started, and its deepspeed.json as written) plus the `RESUMABLE` overrides, planned to continue from its newest
+    complete checkpoint with the same ranks; nothing is decided again. Fails (UserError) when there is nothing to
+    resume, the run finished, an override would change what the checkpoint carries, or the ranks differ."""
     from colocate_rl.plan.launch_spec import LaunchSpec
     from colocate_rl.rundir import RunDir
 
@@ -216,32 +285,25 @@ def plan_resume(
             "count); start the run again with `colocate-rl train`"
         )
     latest, earlier = complete[-1], LaunchSpec.read(paths.launch_spec)
+    deepspeed = json.loads(paths.deepspeed.read_text()) if paths.deepspeed.is_file() else None
+    recorded = read_yaml(paths.recipe)
+    earlier_values = _earlier_version_values(parse_recipe(recorded, str(paths.recipe)), earlier, deepspeed)
     overrides = resolve_override_paths(overrides or {}, cwd)  # the run's recipe.yaml holds absolute paths
-    data, _ = layer_distributed(read_yaml(paths.recipe), overrides, flags or {}, env)
-    resolved = resolve(parse_recipe(data, str(paths.recipe)), host)
+    data, _ = layer_distributed(apply_overrides(recorded, earlier_values), overrides, flags or {}, env)
+    recipe = parse_recipe(data, str(paths.recipe))
+    left = auto_keys(recipe)
+    if left:  # sleep level and micro-batch: recorded by every version that had them auto
+        raise UserError(
+            f"--resume {run_dir}: its recipe.yaml leaves {', '.join(left)} auto (written by an earlier colocate-rl), "
+            "so the value it trained with is not known; start a new run"
+        )
+    resolved = resolve(recipe, host)
     if resolved.world_size != earlier.world_size:
         raise UserError(
             f"--resume {run_dir}: its checkpoints were written by {earlier.world_size} ranks and this launch has "
             f"{resolved.world_size}; resume with as many ranks (GPUs, nodes) as the run started with"
         )
-    import json
-
-    from colocate_rl.plan.deepspeed import ZeroLayout
-
-    before = ZeroLayout.of(json.loads(paths.deepspeed.read_text()) if paths.deepspeed.is_file() else None)
-    now = ZeroLayout.of(resolved.deepspeed)
-    if (before.stage, before.offload_optimizer, before.offload_params) != (
-        now.stage,
-        now.offload_optimizer,
-        now.offload_params,
-    ):
-        raise UserError(
-            f"--resume {run_dir}: the run trained with ZeRO stage {before.stage} and this machine's auto layout "
-            f"would now pick stage {now.stage} (other GPU memory?); pin it: --set distributed.zero_stage="
-            f"{before.stage}"
-            if before.stage is not None
-            else f"--resume {run_dir}: the run trained without DeepSpeed; pin it: --set distributed.deepspeed=null"
-        )
+    resolved = replace(resolved, deepspeed=deepspeed)  # as the run trained with it, whatever its base file says now
     step = int(latest.name.rpartition("-")[2])
     if resolved.recipe.trainer.max_steps <= step:
         raise UserError(

@@ -13,7 +13,7 @@ import yaml
 
 from colocate_rl.pipeline import resolve
 from colocate_rl.plan.host import Gpu, Host
-from colocate_rl.plan.resolve import Resolved
+from colocate_rl.plan.resolved import Resolved
 from colocate_rl.recipe.load import apply_overrides, parse_recipe, parse_sets, read_yaml
 from colocate_rl.recipe.shipped import find_recipe
 

@@ -4,8 +4,10 @@
    DeepSpeed, transformers, accelerate, peft, datasets or NVML at module level. Everything else runs on the launching
    machine, where `--help` must be instant and the launcher must hold no GPU memory.
 2. Nothing on the launcher side imports `colocate_rl.rank` (the `colocate_rl.worker` entry point excepted).
-3. Layering: a package imports only packages below it (module- or function-level; `TYPE_CHECKING` imports are for
-   annotations and do not count).
+3. Layering: a package imports only packages below it (module-level, function-level and `TYPE_CHECKING` imports
+   alike: an annotation that names a higher layer's type is a dependency on it too).
+4. No import circle between modules (all imports counted, within a package too).
+5. No module over MAX_LINES lines.
 """
 
 import ast
@@ -48,14 +50,15 @@ def unit_of(path: Path, package: Path) -> str:
 
 
 def imports(path: Path) -> list[tuple[str, bool]]:
-    """(imported module, at module level) for every import outside `if TYPE_CHECKING:` blocks."""
+    """(imported module, at run time at module level) for every import; one under `if TYPE_CHECKING:` counts, but
+    never as a module-level one (it does not run)."""
     found: list[tuple[str, bool]] = []
 
     def walk(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                for item in child.orelse:  # only the else branch runs
-                    walk(item, top)
+                walk(ast.Module(body=child.body, type_ignores=[]), False)  # never runs, but depends
+                walk(ast.Module(body=child.orelse, type_ignores=[]), top)
                 continue
             if isinstance(child, ast.Import):
                 found.extend((alias.name, top) for alias in child.names)
@@ -91,8 +94,84 @@ def violations(package: Path) -> list[str]:
     return out
 
 
+def module_graph(package: Path) -> dict[str, set[str]]:
+    """Module → the package's modules it imports (any import; `from pkg import mod` names the module)."""
+    names = {}
+    for path in package.rglob("*.py"):
+        name = path.relative_to(package.parent).with_suffix("").as_posix().replace("/", ".")
+        names[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in names.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module for a in node.names
+                }
+        graph[name] = {t for t in targets if t in names and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle (a strongly connected group of more than one module), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
 def test_the_package_keeps_its_process_boundary_and_layers():
     assert violations(PACKAGE) == []
+
+
+def test_no_module_imports_itself_back():
+    assert cycles(module_graph(PACKAGE)) == []
+
+
+def test_the_cycle_finder_finds_a_circle_through_type_checking(tmp_path):
+    package = tmp_path / "colocate_rl"
+    (package / "plan").mkdir(parents=True)
+    (package / "plan" / "a.py").write_text("from colocate_rl.plan.b import B\n")
+    (package / "plan" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from colocate_rl.plan.a import A\n"
+    )
+    (package / "plan" / "c.py").write_text("from colocate_rl.plan import a\n")
+    assert cycles(module_graph(package)) == [["colocate_rl.plan.a", "colocate_rl.plan.b"]]
+
+
+MAX_LINES = 400
+TOO_LONG_FOR_NOW = {"recipe/schema.py"}  # being split
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {
+        p.relative_to(PACKAGE).as_posix(): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert {k: v for k, v in long.items() if k not in TOO_LONG_FOR_NOW} == {}
 
 
 def test_every_unit_has_a_level():
@@ -108,6 +187,11 @@ def test_every_unit_has_a_level():
         ("launch/x.py", "from colocate_rl.rank.worker import main\n", "never imports the rank side"),
         ("recipe/x.py", "from colocate_rl.plan.host import Host\n", "recipe may import only units below"),
         ("plan/x.py", "def f():\n    from colocate_rl.cli import app\n", "plan may import only units below"),
+        (
+            "plan/x.py",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from colocate_rl.memory.autolayout import X\n",
+            "plan may import only units below",
+        ),
     ],
 )
 def test_the_checker_finds_each_kind_of_breach(tmp_path, unit, source, expected):
@@ -124,7 +208,7 @@ def test_allowed_imports_pass_the_checker(tmp_path):
     (package / "plan").mkdir(parents=True)
     (package / "rank").mkdir()
     (package / "plan" / "x.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from colocate_rl.memory.autolayout import X\n"
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n    from colocate_rl.recipe.schema import X\n"
         "def f():\n    import torch\n"
     )
     (package / "rank" / "y.py").write_text("import torch\nfrom colocate_rl.plan.x import f\n")

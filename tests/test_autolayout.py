@@ -9,13 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import DIGITS, H200_GIB, QWEN05, QWEN7_1GPU, QWEN15_ZERO3, ROOT, cli, import_benchmark, write_recipe
 from conftest import resolved as resolved_for
 
 from colocate_rl.memory import autolayout as A
 from colocate_rl.plan.host import Host, assumed_host
 from colocate_rl.plan.launch_plan import make_plan
-from colocate_rl.recipe.load import load_recipe
+from colocate_rl.plan.resolved import auto_keys
+from colocate_rl.recipe.load import load_recipe, parse_recipe
 
 GIB = 2**30
 H200 = H200_GIB
@@ -227,8 +229,19 @@ def test_plan_files_reflect_the_choice(tmp_path):
     assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"]["enabled"] is True
     args = json.loads(plan.files["launch.json"])["trl_args"]
     assert args["gradient_checkpointing"] is True and args["deepspeed"].endswith("deepspeed.json")
-    # the recipe written to the run keeps `auto` (it re-decides the same way on the same GPUs)
-    assert "zero_stage: auto" in plan.files["recipe.yaml"]
+    # the recipe written to the run holds what auto decided (the ranks and a resume read it; nothing decides again)
+    written = yaml.safe_load(plan.files["recipe.yaml"])
+    assert auto_keys(parse_recipe(written)) == []
+    dist = written["distributed"]
+    assert (dist["deepspeed"], dist["zero_stage"], dist["offload_optimizer"], dist["offload_params"]) == (
+        "zero3",
+        2,
+        False,
+        False,
+    )
+    assert dist["nproc_per_node"] == 2 and dist["mixed_precision"] == "bf16"
+    assert written["trainer"]["gradient_checkpointing"] is True and written["generation"]["backend"] == "vllm"
+    assert written["model"]["dtype"] == "bfloat16"
 
 
 @pytest.fixture

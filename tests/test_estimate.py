@@ -637,6 +637,40 @@ def qwen05_file(tmp_path):
     return write_recipe(tmp_path / "qwen05.yaml", QWEN05)
 
 
+COUNTING_REWARD = """
+from pathlib import Path
+
+COUNTS = Path(__file__).with_name("counts.txt")
+with COUNTS.open("a") as f:
+    f.write("import\\n")
+
+
+def count(prompts, completions, **kwargs):
+    with COUNTS.open("a") as f:
+        f.write("call\\n")
+    return [0.0 for _ in completions]
+"""
+
+
+def test_estimate_reads_the_recipes_files_and_runs_its_reward_code_once(tmp_path):
+    """`mem-probe --estimate` resolves the recipe and every change it tries over one pre-flight: the reward file is
+    imported once and called once, however many variants are planned."""
+    (tmp_path / "reward.py").write_text(COUNTING_REWARD)
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 ="}) + "\n" for i in range(8)))
+    recipe = {
+        **QWEN7_1GPU,
+        "data": {"source": "prompts.jsonl"},
+        "rewards": [{"name": "reward.py:count"}],
+        "distributed": {"nproc_per_node": 1},  # the layout is not auto: a recipe that does not fit gets changes tried
+        "trainer": {**QWEN7_1GPU["trainer"], "gradient_checkpointing": False},
+    }
+    args = ("--estimate", "--gpus", "1", "--gpu-memory", "80", "--json")
+    result = cli("mem-probe", write_recipe(tmp_path / "r.yaml", recipe), *args)
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)["recommendation"]["applied"]) >= 2  # several variants resolved
+    assert (tmp_path / "counts.txt").read_text().split() == ["import", "call"]
+
+
 def test_cli_table_json_and_write(tmp_path, qwen05_file):
     shown = cli("mem-probe", qwen05_file, "--estimate", "--gpus", "1", "--gpu-memory", "80")
     assert shown.returncode == 0, shown.stderr

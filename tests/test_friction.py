@@ -245,7 +245,7 @@ def test_run_dir_recipe_holds_absolute_paths_and_reads_back_from_anywhere(projec
     elsewhere.mkdir()
     (elsewhere / "recipe.yaml").write_text(plan.files["recipe.yaml"])
     monkeypatch.chdir(elsewhere)  # a rank or `train --resume` reads it from any directory
-    assert load_recipe(elsewhere / "recipe.yaml") == resolved.recipe
+    assert load_recipe(elsewhere / "recipe.yaml") == resolved.recorded_recipe()  # every auto as decided
 
 
 def test_written_copy_names_the_same_files(project):

@@ -107,9 +107,12 @@ def test_validate_and_estimate_output_is_unchanged(case, clean_env):
 
 
 @pytest.mark.parametrize("case", PLAN_CASES)
-def test_launch_json_of_earlier_versions_reads_back_unchanged(case, tmp_path):
-    """Run directories written before the restructure keep working: their launch.json (recorded above) is read by
-    the ranks as a LaunchSpec and written back to the same bytes."""
+def test_launch_json_reads_back_unchanged_also_from_earlier_versions(case, tmp_path):
+    """A run directory's launch.json (recorded above) is read by the ranks as a LaunchSpec and written back to the
+    same bytes; one written before it held what the ranks derived themselves (built-in model, dtype, held-out rows)
+    still reads, those derived from what it holds (the held-out rows: not recorded)."""
+    from dataclasses import replace
+
     from colocate_rl.plan.launch_spec import LaunchSpec
 
     files = json.loads((GOLDEN / "plan" / f"{case}.json").read_text()).get("files")
@@ -117,4 +120,12 @@ def test_launch_json_of_earlier_versions_reads_back_unchanged(case, tmp_path):
         pytest.skip("the dry run of this case failed by design")
     path = tmp_path / "launch.json"
     path.write_text(files["launch.json"])
-    assert LaunchSpec.read(path).to_json() == files["launch.json"]
+    spec = LaunchSpec.read(path)
+    assert spec.to_json() == files["launch.json"]
+    earlier = {
+        k: v
+        for k, v in json.loads(files["launch.json"]).items()
+        if k not in ("builtin_model", "model_dtype", "held_out_rows")
+    }
+    path.write_text(json.dumps(earlier, indent=2) + "\n")
+    assert LaunchSpec.read(path) == replace(spec, held_out_rows=None)

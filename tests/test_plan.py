@@ -3,11 +3,16 @@
 import json
 from pathlib import Path
 
+import pytest
 import yaml
-from conftest import CPU, GPU8
+from conftest import CPU, GPU8, H200_GIB, QWEN05
+from conftest import resolved as resolved_for
 
-from colocate_rl.pipeline import resolve
+from colocate_rl.errors import UserError
+from colocate_rl.pipeline import plan_resume, resolve
+from colocate_rl.plan.host import assumed_host
 from colocate_rl.plan.launch_plan import make_plan
+from colocate_rl.plan.resolved import AUTO_KEYS, auto_keys
 from colocate_rl.recipe.load import parse_recipe
 
 RUN = Path("/runs/r1")
@@ -192,3 +197,116 @@ def test_trl_args_build_the_config_without_deprecation_warnings():
             "activation_checkpointing_kwargs": {"use_reentrant": False},
             "seed": 1,
         }
+
+
+# Every key auto may decide, and QWEN05 with all of them auto: on an H200 it starts with 1 rank, ZeRO-2, sleep 0,
+# one micro-batch of 64; on 16 GiB GPUs auto would now add checkpointing, sleep 2 and micro-batches of 16, on 12 GiB
+# ZeRO-3 with optimizer offload and micro-batches of 16 (and 2 ranks on both).
+ALL_AUTO = {
+    **QWEN05,
+    "trainer": {**QWEN05["trainer"], "gradient_checkpointing": "auto", "gradient_accumulation_steps": 4},
+    "generation": {**QWEN05["generation"], "sleep_level": "auto"},
+    "distributed": {"zero_stage": "auto"},
+}
+
+
+SAME = {"python": "python", "cache_dir": Path("/cache/colocate-rl")}  # the start's launch, as RESUME plans it
+RESUME = {"python": "python", "env": {"XDG_CACHE_HOME": "/cache"}}
+
+
+def decided(recipe):
+    d, t = recipe.distributed, recipe.trainer
+    return (d.nproc_per_node, d.zero_stage, d.offload_optimizer, t.gradient_checkpointing)
+
+
+def started_run(tmp_path):
+    from colocate_rl.rundir import CHECKPOINT_COMPLETE, write_run_dir
+
+    run_dir = tmp_path / "run"
+    started = resolved_for(ALL_AUTO, assumed_host(1, H200_GIB), "trainer.max_steps=4")
+    plan = make_plan(started, run_dir=run_dir, cwd=tmp_path, base_env={}, **SAME)
+    write_run_dir(run_dir, plan.files)
+    (run_dir / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    (run_dir / "checkpoints" / "checkpoint-2" / CHECKPOINT_COMPLETE).write_text("{}")
+    return started, plan
+
+
+@pytest.mark.parametrize("gib", [16.0, 12.0])
+def test_resume_plans_with_what_the_run_recorded_and_decides_nothing(tmp_path, gib):
+    """The run directory records every value auto decided when the run started; resumed on GPUs where auto would now
+    decide otherwise, the run continues with the recorded values (the same files but the checkpoint to resume)."""
+    started, plan = started_run(tmp_path)
+    recorded = started.recorded_recipe()
+    assert auto_keys(recorded) == [] and parse_recipe(yaml.safe_load(plan.files["recipe.yaml"])) == recorded.model_copy(
+        update={"output": recorded.output.model_copy(update={"run_dir": str(tmp_path / "run")})}
+    )
+    now = resolved_for(ALL_AUTO, assumed_host(2, gib), "trainer.max_steps=4").recorded_recipe()
+    assert decided(now) != decided(recorded) and now.trainer.micro_batch_size is None
+    assert now.trainer.per_device_train_batch_size != recorded.trainer.per_device_train_batch_size
+    assert gib != 16.0 or now.generation.sleep_level != recorded.generation.sleep_level
+    r, resumed = plan_resume(tmp_path / "run", host=assumed_host(2, gib), cwd=tmp_path, **RESUME)
+    assert r.choice_lines() == [] and r.world_size == 1
+    assert {k: v for k, v in resumed.files.items() if k != "launch.json"} == {
+        k: v for k, v in plan.files.items() if k != "launch.json"
+    }
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "checkpoint-2")
+    assert json.loads(resumed.files["launch.json"]) == {
+        **json.loads(plan.files["launch.json"]),
+        "resume_from": checkpoint,
+    }
+
+
+def test_resume_refuses_a_machine_that_cannot_run_what_was_recorded(tmp_path):
+    started_run(tmp_path)  # generates with vLLM on a GPU: a CPU machine would have auto pick transformers
+    with pytest.raises(UserError, match="generation.backend: 'vllm' but vLLM is not installed here"):
+        plan_resume(tmp_path / "run", host=CPU, cwd=tmp_path, **RESUME)
+    with pytest.raises(UserError, match="--set distributed.zero_stage: a resumed run keeps"):
+        plan_resume(tmp_path / "run", {"distributed.zero_stage": "auto"}, host=GPU8, cwd=tmp_path, **RESUME)
+
+
+def test_resume_of_a_run_dir_written_before_every_value_was_recorded(tmp_path):
+    """An earlier version's run directory left ranks, precision, dtype, backend, checkpointing and the ZeRO layout
+    `auto` in recipe.yaml: a resume takes them from its launch.json and deepspeed.json, never from auto again."""
+    from colocate_rl.recipe.load import dump_recipe
+
+    started, plan = started_run(tmp_path)
+    run_dir = tmp_path / "run"
+    written = started.recipe.model_copy(
+        update={"output": started.recipe.output.model_copy(update={"run_dir": str(run_dir)})}
+    )
+    assert set(auto_keys(written)) == set(AUTO_KEYS) - {"generation.sleep_level", "trainer.micro_batch_size"}
+    (run_dir / "recipe.yaml").write_text(dump_recipe(written))
+    launch = json.loads(plan.files["launch.json"])
+    earlier = {k: v for k, v in launch.items() if k not in ("builtin_model", "model_dtype", "held_out_rows")}
+    (run_dir / "launch.json").write_text(json.dumps(earlier, indent=2) + "\n")
+    r, resumed = plan_resume(run_dir, host=assumed_host(2, 12.0), cwd=tmp_path, **RESUME)
+    assert r.choice_lines() == []
+    assert resumed.files["recipe.yaml"] == plan.files["recipe.yaml"]
+    assert resumed.files["deepspeed.json"] == plan.files["deepspeed.json"]
+
+
+def test_auto_keys_name_every_recipe_key_that_may_be_auto():
+    from pydantic import BaseModel
+
+    from colocate_rl.recipe.schema import Recipe
+
+    found = {
+        f"{section}.{key}"
+        for section, info in Recipe.model_fields.items()
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)
+        for key, field in info.annotation.model_fields.items()
+        if "'auto'" in repr(field.annotation)
+    }
+    assert found == set(AUTO_KEYS)
+
+
+def test_a_preflight_serves_only_the_recipe_it_read(tmp_path):
+    from colocate_rl.plan.preflight import preflight
+    from colocate_rl.plan.resolve import bind_to_host
+
+    recipe = parse_recipe({"rewards": [{"name": "digit_share"}]})
+    pre = preflight(recipe)
+    assert bind_to_host(recipe.model_copy(update={"name": "other"}), CPU, pre).preflight is pre  # reads nothing more
+    other = parse_recipe({"rewards": [{"name": "format_think"}]})
+    with pytest.raises(ValueError, match="pre-flight was read for another recipe"):
+        bind_to_host(other, CPU, pre)

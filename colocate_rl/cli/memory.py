@@ -63,81 +63,6 @@ def comparison_table(rows: list[dict[str, Any]], util: float) -> Table:
     return table
 
 
-def host_line(e, ram_gib: float | None) -> list[str]:
-    """Host memory per node for offloaded state (none: no line); compared with this machine's RAM when known."""
-    if not e.host:
-        return []
-    line = (
-        f"host memory per node: {e.host_gib:.1f} GiB for "
-        + ", ".join(f"{k} {v:.1f}" for k, v in e.host.items())
-        + " (the processes' own memory comes on top)"
-    )
-    from colocate_rl.memory.autolayout import host_fits
-
-    if not host_fits(e.host_gib, ram_gib):  # the host limit auto's choice uses
-        line += f"; this machine has {ram_gib:.0f} GiB of RAM: not enough — use more GPUs or nodes, or less offload"
-    return [line]
-
-
-def recommendation_lines(rec, ram_gib: float | None = None) -> list[str]:
-    """What `mem-probe --estimate` prints under its table: layout, batch, window, verdict, recommendation."""
-    from colocate_rl.memory.estimate import MEMORY_PHASES, SHARE_MARGIN, VLLM_ALLOWANCE_GIB
-    from colocate_rl.memory.recommend import CHANGES
-    from colocate_rl.plan.deepspeed import ZeroLayout
-    from colocate_rl.recipe.load import format_sets
-
-    b, lay, kv, G = rec.base, rec.base.layout, rec.base.kv, rec.base.gpu_gib
-    r, stage = b.resolved.recipe, ZeroLayout.of(b.resolved.deepspeed).stage
-    experts = (
-        f", {lay.active_params:,} active: {lay.active_experts} of {lay.experts} experts per token"
-        if lay.experts
-        else ""
-    )
-    lines = [
-        f"model {r.model.name}: {lay.params:,} params (hidden {lay.hidden}, {lay.layers} layers, {lay.heads} "
-        f"heads / {lay.kv_heads} KV heads, vocab {lay.vocab:,}{experts}); {r.distributed.nnodes} node(s) × "
-        f"{b.resolved.nproc_per_node} GPU(s) of {G:.1f} GiB; {'DDP' if stage is None else f'ZeRO-{stage}'}; "
-        f"vLLM TP {r.generation.tensor_parallel_size}",
-        f"generation batch: {kv['sequences']} sequences per vLLM engine × {kv['tokens']} tokens (prompt ≤ "
-        f"{kv['prompt_tokens']} + completion {kv['completion_tokens']}), KV {kv['bytes_per_token']:,} B/token → "
-        f"{kv['gib']:.2f} GiB; the recipe's share ({b.util}) holds {b.max_seqs(b.util):,} such sequences",
-        f"window for generation.vllm_gpu_memory_utilization: {b.lower:.3f} (vLLM weights + KV + "
-        f"{VLLM_ALLOWANCE_GIB:g} GiB allowance = {b.need_gib:.2f} GiB) to {b.upper:.3f} (what the trainer's "
-        f"{b.fixed[b.upper_phase]:.2f} GiB leave during {b.upper_phase})",
-    ]
-    where = "below the window" if b.util < b.lower else "above the window" if b.util > b.upper else "in the window"
-    phase, peak = b.peak()
-    lines.append(f"recipe as written (share {b.util}, {where}): peak {peak:.2f} GiB of {G:.1f} in {phase}")
-    if not b.asleep_fits:
-        p = max((p for p in MEMORY_PHASES if p not in b.awake), key=b.fixed.__getitem__)
-        lines.append(
-            f"does not fit: {p} needs {b.fixed[p]:.2f} GiB while vLLM sleeps; {G * (1 - SHARE_MARGIN):.1f} GiB "
-            f"usable ({SHARE_MARGIN:.0%} kept free)"
-        )
-    elif not b.fits:
-        lines.append(
-            f"does not fit: vLLM needs a share of {b.lower:.3f} + {SHARE_MARGIN:.0%}, the trainer leaves "
-            f"{b.upper:.3f} − {SHARE_MARGIN:.0%}"
-        )
-    f = rec.final
-    if f is None:
-        return lines + [f"no change tried makes it fit ({', '.join(CHANGES)}); use more GPUs or a smaller model"]
-    if rec.applied:
-        sets = " ".join(f"--set {item}" for item in format_sets(rec.changes))
-        lines.append(f"{'change' if b.fits else 'cheapest change that fits'}: {' + '.join(rec.applied)} ({sets})")
-    final_zero = ZeroLayout.of(f.resolved.deepspeed)
-    off_opt, off_par = final_zero.offload_optimizer, final_zero.offload_params
-    phase, peak = f.peak(f.chosen)
-    lines.append(
-        f"recommended: generation.vllm_gpu_memory_utilization {f.chosen:.2f} (lower bound + {SHARE_MARGIN:.0%} "
-        f"of the GPU); sleep level {f.resolved.recipe.generation.sleep_level}; optimizer "
-        f"offload {'on' if off_opt else 'off'}; param offload {'on' if off_par else 'off'} → peak "
-        f"{peak:.2f} GiB of {G:.1f} in {phase}; KV room for {f.max_seqs(f.chosen):,} sequences (a batch is "
-        f"{f.kv['sequences']})"
-    )
-    return lines + host_line(f, ram_gib) + [f"note: {n}" for n in b.notes + rec.notes]
-
-
 @app.command("mem-probe")
 @guarded
 def mem_probe(
@@ -229,31 +154,15 @@ def mem_probe(
 
 def _estimate(recipe, overrides, detected, gpus, gpu_memory, prompt_tokens, json_out, write) -> None:
     from colocate_rl.memory.estimate import MEMORY_PHASES
-    from colocate_rl.memory.recommend import recommend, to_json
-    from colocate_rl.pipeline import estimate_host, load_resolved
+    from colocate_rl.memory.recommend import recommend, recommendation_lines, to_json
+    from colocate_rl.pipeline import estimate_host, read_recipe, resolver
     from colocate_rl.recipe.load import format_sets, write_recipe_copy
-    from colocate_rl.recipe.shipped import find_recipe
 
-    host, gib = estimate_host(recipe, overrides, gpus=gpus, gpu_memory_gib=gpu_memory, detected=detected)
-    rec = recommend(
-        lambda changes: load_resolved(recipe, {**overrides, **changes}, host=host, env=os.environ)[0],
-        gib,
-        prompt_tokens,
-    )
-    choice = rec.base.resolved.layout_choice  # zero_stage / gradient_checkpointing auto: what was chosen and why
-    sleep = rec.base.resolved.sleep_choice  # generation.sleep_level auto
-    micro = rec.base.resolved.micro_batch_choice  # trainer.micro_batch_size auto
+    source = read_recipe(recipe, overrides, env=os.environ)
+    host, gib = estimate_host(source.parse(), gpus=gpus, gpu_memory_gib=gpu_memory, detected=detected)
+    rec = recommend(resolver(source, host), gib, prompt_tokens)  # every variant over one pre-flight
     if json_out:
-        print(
-            json.dumps(
-                {
-                    **to_json(rec),
-                    "layout_choice": choice.to_json() if choice is not None else None,
-                    "sleep_choice": sleep.to_json() if sleep is not None else None,
-                    "micro_batch_choice": micro.to_json() if micro is not None else None,
-                }
-            )
-        )
+        print(json.dumps(to_json(rec)))
     else:
         table = Table(
             title=f"estimated memory per GPU (GiB), vLLM share {rec.base.util} of {gib:.1f} GiB, sleep level "
@@ -276,7 +185,7 @@ def _estimate(recipe, overrides, detected, gpus, gpu_memory, prompt_tokens, json
         changed = ", ".join(format_sets(rec.changes))
         write_recipe_copy(
             write,
-            find_recipe(recipe),
+            source.path,
             {**overrides, **rec.changes},
             f"{recipe} with the values of `colocate-rl mem-probe --estimate` ({changed})",
         )
@@ -288,13 +197,11 @@ def _measure(
 ) -> None:
     from colocate_rl.memory.bisect import ProbeAborted
     from colocate_rl.memory.probe import SEARCH_ABOVE_ESTIMATE, default_probe_dir, measure, plan_probe
-    from colocate_rl.pipeline import load_resolved
+    from colocate_rl.pipeline import read_recipe, resolver
     from colocate_rl.recipe.load import format_sets, write_recipe_copy
-    from colocate_rl.recipe.shipped import find_recipe
 
-    def resolve_with(extra):
-        return load_resolved(recipe, {**overrides, **extra}, host=host, env=os.environ)[0]
-
+    source = read_recipe(recipe, overrides, env=os.environ)
+    resolve_with = resolver(source, host)  # the recipe and every trial's variant over one pre-flight
     plan = plan_probe(
         resolve_with({}),
         gib,
@@ -347,7 +254,7 @@ def _measure(
             f"{e.trial.run_dir}; fix that and probe again"
         )
     result = measured.result
-    _print_measurement(measured, find_recipe(recipe), gib, steps, margin, json_out)
+    _print_measurement(measured, source.path, gib, steps, margin, json_out)
     if result.recommended is None:
         raise UserError(
             "mem-probe: no vLLM share in the window completed the steps ("
@@ -358,7 +265,7 @@ def _measure(
     if write is not None:
         write_recipe_copy(
             write,
-            find_recipe(recipe),
+            source.path,
             {**overrides, **plan.pinned, "generation.vllm_gpu_memory_utilization": result.recommended},
             f"{recipe} with generation.vllm_gpu_memory_utilization {result.recommended:g} measured by "
             f"`colocate-rl mem-probe` (largest passing {result.largest:g} − margin {margin:g})"

@@ -17,7 +17,7 @@ from colocate_rl.memory.shapes import Layout, layout_for, lora_params
 from colocate_rl.plan.deepspeed import ZeroLayout
 
 if TYPE_CHECKING:
-    from colocate_rl.plan.resolve import Resolved
+    from colocate_rl.plan.resolved import Resolved
     from colocate_rl.recipe.schema import GenerationSection
 
 GIB = 2**30
@@ -152,7 +152,7 @@ def _layout_of(resolved: Resolved) -> Layout:
         )
     if resolved.device != "cuda":
         raise UserError("--gpus: mem-probe --estimate plans a GPU run; pass --gpus N with N ≥ 1")
-    lay = layout_for(resolved.recipe.model.name)
+    lay = layout_for(resolved.recipe.model.name, config=resolved.preflight.model_config)
     if lay.heads % g.tensor_parallel_size:
         raise UserError(
             f"generation.tensor_parallel_size: {g.tensor_parallel_size} does not divide the model's {lay.heads} "

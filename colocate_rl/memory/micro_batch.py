@@ -14,43 +14,15 @@ estimate, the recipe's micro-batch stays.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from colocate_rl.errors import UserError
 from colocate_rl.memory.autolayout import LAYOUT_HEADROOM
+from colocate_rl.plan.choices import MicroBatchChoice
 
 if TYPE_CHECKING:
-    from colocate_rl.plan.resolve import Resolved
+    from colocate_rl.plan.resolved import Resolved
     from colocate_rl.recipe.schema import Recipe
-
-
-@dataclass(frozen=True)
-class MicroBatchChoice:
-    """What `trainer.micro_batch_size: auto` chose and why; the estimated peak at that size and the limit it was held
-    to (None when nothing was estimated)."""
-
-    size: int
-    steps: int  # gradient accumulation steps at that size
-    reason: str
-    peak_gib: float | None = None
-    limit_gib: float | None = None
-
-    def line(self) -> str:
-        return (
-            f"trainer.micro_batch_size auto: {self.size} (× {self.steps} accumulation step"
-            f"{'s' if self.steps > 1 else ''}) — {self.reason}"
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        rounded = [None if x is None else round(x, 3) for x in (self.peak_gib, self.limit_gib)]
-        return {
-            "size": self.size,
-            "gradient_accumulation_steps": self.steps,
-            "reason": self.reason,
-            "peak_gib": rounded[0],
-            "limit_gib": rounded[1],
-        }
 
 
 def with_micro_batch(recipe: Recipe, size: int) -> Recipe:

@@ -34,7 +34,7 @@ from colocate_rl.memory.bisect import ProbeResult, TrialResult, bisect
 from colocate_rl.memory.estimate import MEMORY_PHASES, Estimate, estimate
 from colocate_rl.memory.peaks import comparison, peak_at_share, phase_peaks
 from colocate_rl.plan.launch_plan import LaunchPlan, cache_dir, make_plan
-from colocate_rl.plan.resolve import Resolved
+from colocate_rl.plan.resolved import Resolved
 from colocate_rl.recipe.load import format_sets
 from colocate_rl.rundir import RunDir, read_metrics
 

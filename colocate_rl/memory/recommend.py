@@ -1,5 +1,6 @@
-"""The change search and JSON output of `colocate-rl mem-probe --estimate`: when a recipe does not fit, the
-cheapest of CHANGES that makes it fit by the estimate (`colocate_rl.memory.estimate`), and a vLLM share to set."""
+"""The change search, JSON output and lines of `colocate-rl mem-probe --estimate`: when a recipe does not fit, the
+cheapest of CHANGES that makes it fit by the estimate (`colocate_rl.memory.estimate`), and a vLLM share to set.
+Pure: every variant is resolved by the caller's `resolve_with` (one pre-flight for all of them)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from colocate_rl.errors import UserError
-from colocate_rl.memory.estimate import MEMORY_PHASES, SHARE_MARGIN, Estimate, estimate
+from colocate_rl.memory.autolayout import host_fits
+from colocate_rl.memory.estimate import MEMORY_PHASES, SHARE_MARGIN, VLLM_ALLOWANCE_GIB, Estimate, estimate
 from colocate_rl.plan.deepspeed import ZeroLayout
+from colocate_rl.recipe.load import format_sets
 
 if TYPE_CHECKING:
-    from colocate_rl.plan.resolve import Resolved
+    from colocate_rl.plan.resolved import Resolved
 
 CHANGES = (
     "sleep on",
@@ -178,8 +181,10 @@ def recommend(
 
 
 def to_json(rec: Recommendation) -> dict[str, Any]:
-    """The whole result for `--json`: terms (at the recipe's share), phases, window, recommendation."""
+    """The whole result for `--json`: terms (at the recipe's share), phases, window, recommendation, and what each
+    `auto` of the recipe chose and why."""
     b, f = rec.base, rec.final
+    layout, sleep, micro = b.resolved.layout_choice, b.resolved.sleep_choice, b.resolved.micro_batch_choice
     return {
         "model": {"name": b.resolved.recipe.model.name, "params": b.layout.params, "layout": asdict(b.layout)},
         "gpu_memory_gib": b.gpu_gib,
@@ -194,4 +199,75 @@ def to_json(rec: Recommendation) -> dict[str, Any]:
             "notes": rec.notes,
             **({"estimate": summary(f, f.chosen)} if f else {}),
         },
+        "layout_choice": layout.to_json() if layout is not None else None,
+        "sleep_choice": sleep.to_json() if sleep is not None else None,
+        "micro_batch_choice": micro.to_json() if micro is not None else None,
     }
+
+
+def host_line(e: Estimate, ram_gib: float | None) -> list[str]:
+    """Host memory per node for offloaded state (none: no line); compared with this machine's RAM when known."""
+    if not e.host:
+        return []
+    line = (
+        f"host memory per node: {e.host_gib:.1f} GiB for "
+        + ", ".join(f"{k} {v:.1f}" for k, v in e.host.items())
+        + " (the processes' own memory comes on top)"
+    )
+    if not host_fits(e.host_gib, ram_gib):  # the host limit auto's choice uses
+        line += f"; this machine has {ram_gib:.0f} GiB of RAM: not enough — use more GPUs or nodes, or less offload"
+    return [line]
+
+
+def recommendation_lines(rec: Recommendation, ram_gib: float | None = None) -> list[str]:
+    """What `mem-probe --estimate` prints under its table: layout, batch, window, verdict, recommendation."""
+    b, lay, kv, G = rec.base, rec.base.layout, rec.base.kv, rec.base.gpu_gib
+    r, stage = b.resolved.recipe, ZeroLayout.of(b.resolved.deepspeed).stage
+    experts = (
+        f", {lay.active_params:,} active: {lay.active_experts} of {lay.experts} experts per token"
+        if lay.experts
+        else ""
+    )
+    lines = [
+        f"model {r.model.name}: {lay.params:,} params (hidden {lay.hidden}, {lay.layers} layers, {lay.heads} "
+        f"heads / {lay.kv_heads} KV heads, vocab {lay.vocab:,}{experts}); {r.distributed.nnodes} node(s) × "
+        f"{b.resolved.nproc_per_node} GPU(s) of {G:.1f} GiB; {'DDP' if stage is None else f'ZeRO-{stage}'}; "
+        f"vLLM TP {r.generation.tensor_parallel_size}",
+        f"generation batch: {kv['sequences']} sequences per vLLM engine × {kv['tokens']} tokens (prompt ≤ "
+        f"{kv['prompt_tokens']} + completion {kv['completion_tokens']}), KV {kv['bytes_per_token']:,} B/token → "
+        f"{kv['gib']:.2f} GiB; the recipe's share ({b.util}) holds {b.max_seqs(b.util):,} such sequences",
+        f"window for generation.vllm_gpu_memory_utilization: {b.lower:.3f} (vLLM weights + KV + "
+        f"{VLLM_ALLOWANCE_GIB:g} GiB allowance = {b.need_gib:.2f} GiB) to {b.upper:.3f} (what the trainer's "
+        f"{b.fixed[b.upper_phase]:.2f} GiB leave during {b.upper_phase})",
+    ]
+    where = "below the window" if b.util < b.lower else "above the window" if b.util > b.upper else "in the window"
+    phase, peak = b.peak()
+    lines.append(f"recipe as written (share {b.util}, {where}): peak {peak:.2f} GiB of {G:.1f} in {phase}")
+    if not b.asleep_fits:
+        p = max((p for p in MEMORY_PHASES if p not in b.awake), key=b.fixed.__getitem__)
+        lines.append(
+            f"does not fit: {p} needs {b.fixed[p]:.2f} GiB while vLLM sleeps; {G * (1 - SHARE_MARGIN):.1f} GiB "
+            f"usable ({SHARE_MARGIN:.0%} kept free)"
+        )
+    elif not b.fits:
+        lines.append(
+            f"does not fit: vLLM needs a share of {b.lower:.3f} + {SHARE_MARGIN:.0%}, the trainer leaves "
+            f"{b.upper:.3f} − {SHARE_MARGIN:.0%}"
+        )
+    f = rec.final
+    if f is None:
+        return lines + [f"no change tried makes it fit ({', '.join(CHANGES)}); use more GPUs or a smaller model"]
+    if rec.applied:
+        sets = " ".join(f"--set {item}" for item in format_sets(rec.changes))
+        lines.append(f"{'change' if b.fits else 'cheapest change that fits'}: {' + '.join(rec.applied)} ({sets})")
+    final_zero = ZeroLayout.of(f.resolved.deepspeed)
+    off_opt, off_par = final_zero.offload_optimizer, final_zero.offload_params
+    phase, peak = f.peak(f.chosen)
+    lines.append(
+        f"recommended: generation.vllm_gpu_memory_utilization {f.chosen:.2f} (lower bound + {SHARE_MARGIN:.0%} "
+        f"of the GPU); sleep level {f.resolved.recipe.generation.sleep_level}; optimizer "
+        f"offload {'on' if off_opt else 'off'}; param offload {'on' if off_par else 'off'} → peak "
+        f"{peak:.2f} GiB of {G:.1f} in {phase}; KV room for {f.max_seqs(f.chosen):,} sequences (a batch is "
+        f"{f.kv['sequences']})"
+    )
+    return lines + host_line(f, ram_gib) + [f"note: {n}" for n in b.notes + rec.notes]

@@ -10,13 +10,17 @@ from colocate_rl.memory.shapes import reward_model_params
 from colocate_rl.plan.deepspeed import ZeroLayout
 
 if TYPE_CHECKING:
-    from colocate_rl.plan.resolve import Resolved
+    from colocate_rl.plan.resolved import Resolved
 
 
 def reward_model_sizes(resolved: Resolved) -> list[tuple[str, str, int]]:
     """(recipe key, model, parameters) of each reward model; UserError when one has no known layout."""
     return [
-        (f"rewards[{i}].model", r.model, reward_model_params(r.model, f"rewards[{i}].model"))
+        (
+            f"rewards[{i}].model",
+            r.model,
+            reward_model_params(r.model, f"rewards[{i}].model", resolved.preflight.reward_model_configs.get(r.model)),
+        )
         for i, r in enumerate(resolved.recipe.rewards)
         if r.model is not None
     ]

@@ -183,22 +183,24 @@ def layout_from_config(cfg: dict[str, Any], source: str, key: str = "model.name"
     )
 
 
-def layout_for(name: str, key: str = "model.name") -> Layout:
+def layout_for(name: str, key: str = "model.name", config: dict[str, Any] | None = None) -> Layout:
     """`builtin:<layout>`, a local model directory (its config.json), a hub id of HUB_LAYOUTS, or another hub id
-    (its config fetched, or read from the Hugging Face cache offline). UserError as in `layout_from_config` and
-    `colocate_rl.model_config.model_config` (a hub config that cannot be had, a GGUF file)."""
+    (its config fetched, or read from the Hugging Face cache offline; once per process). `config`: the model's
+    config.json as the pre-flight read it (`colocate_rl.plan.preflight`), then nothing is read. UserError as in
+    `layout_from_config` and `colocate_rl.model_config.model_config` (a hub config that cannot be had, a GGUF
+    file)."""
     layout = builtin_layout(name)
     if layout is not None:
         return layout_from_config(dict(LAYOUTS[layout], model_type="qwen2"), name)
     if not looks_local(name) and name.lower() in HUB_LAYOUTS:
         return HUB_LAYOUTS[name.lower()]
-    return layout_from_config(model_config(name, key), f"'{name}'", key)
+    return layout_from_config(config if config is not None else model_config(name, key), f"'{name}'", key)
 
 
-def reward_model_params(name: str, key: str) -> int:
-    """Parameters of a sequence-classification reward model (checked before: one label): its decoder without the LM
-    head, plus the score head (hidden × 1)."""
-    lay = layout_for(name, key)
+def reward_model_params(name: str, key: str, config: dict[str, Any] | None = None) -> int:
+    """Parameters of a sequence-classification reward model (checked before: one label; `config` as in
+    `layout_for`): its decoder without the LM head, plus the score head (hidden × 1)."""
+    lay = layout_for(name, key, config)
     return replace(lay, tie=True).params + lay.hidden
 
 

@@ -1,8 +1,10 @@
 """The `eval:` section checked before launch: its schedule, that the evaluated prompts are held out from training,
-and an explicit `eval.source`'s first rows. Torch-free; nothing is downloaded (a hub dataset is not opened)."""
+and an explicit `eval.source`'s first rows (read by the pre-flight, `colocate_rl.plan.preflight`); how many rows of
+the data file training leaves to evaluation. Torch-free; nothing is downloaded (a hub dataset is not opened)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from colocate_rl.data_check import DataSample, inspect_data
@@ -23,21 +25,36 @@ def _as_eval_source(lines: list[str]) -> list[str]:
     ]
 
 
-def check_eval(recipe: Recipe, train: DataSample | None) -> list[str]:
-    """The `eval.*` problems, given what `inspect_data` saw of data.source (`train`; None when it was refused or is
-    a hub dataset): every_steps within trainer.max_steps; eval.source not data.source; a built-in task with
-    eval.num_samples prompts training does not use; a local file keeping rows to train on; a hub dataset's
-    eval.split not data.split; an explicit eval.source readable, with the prompt column, enough rows and the columns
-    the rewards need (each reward called once on its first rows)."""
+def held_out_rows(recipe: Recipe) -> int:
+    """Rows at the end of a local data.source file that training leaves out, because evaluation holds them out."""
+    ev = recipe.eval
+    if ev.every_steps is None or ev.source is not None or source_kind(recipe.data.source) != "file":
+        return 0
+    return ev.num_samples
+
+
+def check_eval_schedule(recipe: Recipe) -> list[str]:
+    """`eval.every_steps` within trainer.max_steps (reads nothing)."""
+    every, max_steps = recipe.eval.every_steps, recipe.trainer.max_steps
+    if every is None or every <= max_steps:
+        return []
+    return [
+        f"eval.every_steps: {every} is more than trainer.max_steps ({max_steps}). Fix: set at most "
+        f"{max_steps} (evaluation also runs after the last step)."
+    ]
+
+
+def check_eval(recipe: Recipe, train: DataSample | None, rewards: Mapping[int, Callable]) -> list[str]:
+    """The `eval.*` problems besides its schedule, given what `inspect_data` saw of data.source (`train`; None when
+    it was refused or is a hub dataset) and the reward functions that imported (`rewards`: index in recipe.rewards →
+    function): eval.source not data.source; a built-in task with eval.num_samples prompts training does not use; a
+    local file keeping rows to train on; a hub dataset's eval.split not data.split; an explicit eval.source readable,
+    with the prompt column, enough rows and the columns the rewards need (each reward called once on its first
+    rows)."""
     ev, data, seed = recipe.eval, recipe.data, recipe.trainer.seed
     if ev.every_steps is None:
         return []
-    problems, n, max_steps = [], ev.num_samples, recipe.trainer.max_steps
-    if ev.every_steps > max_steps:
-        problems.append(
-            f"eval.every_steps: {ev.every_steps} is more than trainer.max_steps ({max_steps}). Fix: set at most "
-            f"{max_steps} (evaluation also runs after the last step)."
-        )
+    problems, n = [], ev.num_samples
     source = ev.source if ev.source is not None else data.source
     kind = source_kind(source)
     if kind == "builtin" and n > BUILTIN_MAX_EVAL_SAMPLES:
@@ -87,24 +104,19 @@ def check_eval(recipe: Recipe, train: DataSample | None) -> list[str]:
                 f"{sample.total}, or add rows."
             )
         if sample is not None:
-            problems += _check_rewards_on(recipe, sample)
+            problems += _check_rewards_on(recipe, sample, rewards)
     return problems
 
 
-def _check_rewards_on(recipe: Recipe, sample: DataSample) -> list[str]:
+def _check_rewards_on(recipe: Recipe, sample: DataSample, rewards: Mapping[int, Callable]) -> list[str]:
     """Each reward function finds its columns in eval.source and returns a number per completion on its first rows
     (a reward that does not import is reported by the data.source checks, not again here)."""
     from colocate_rl.data_check import check_reward_on_sample
-    from colocate_rl.rewards import resolve_reward, reward_columns
+    from colocate_rl.rewards import reward_columns
 
     problems = []
-    for i, reward in enumerate(recipe.rewards):
-        if getattr(reward, "model", None) is not None:  # a reward model scores any text
-            continue
-        try:
-            fn = resolve_reward(reward.name, key=f"rewards[{i}].name")
-        except UserError:
-            continue
+    for i, fn in rewards.items():
+        reward = recipe.rewards[i]
         missing = [c for c in reward_columns(reward.name) if c not in sample.columns]
         if missing:
             problems.append(

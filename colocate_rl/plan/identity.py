@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from colocate_rl.plan.resolve import Resolved
+    from colocate_rl.plan.resolved import Resolved
 
 # Environment every rank of a multi-node run gets from its node's launcher.
 RECIPE_HASH_ENV = "COLOCATE_RL_RECIPE_HASH"
@@ -30,14 +30,9 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 def recipe_identity(resolved: Resolved) -> dict[str, Any]:
     """What every node must agree on, as dotted key → value: the resolved recipe (auto values replaced by
     what they resolved to, the DeepSpeed JSON by its content) without the node rank and the run dir."""
-    data = resolved.recipe.model_dump(mode="json")
+    data = resolved.recorded_recipe().model_dump(mode="json")
     data["distributed"].pop("node_rank")
     data["output"].pop("run_dir")
-    data["distributed"]["nproc_per_node"] = resolved.nproc_per_node
-    data["distributed"]["mixed_precision"] = resolved.precision
-    data["generation"]["backend"] = resolved.backend
-    data["model"]["dtype"] = resolved.model_dtype
-    data["trainer"]["gradient_checkpointing"] = resolved.gradient_checkpointing
     data["device"] = resolved.device
     data["deepspeed_config"] = resolved.deepspeed
     return _flatten(data)

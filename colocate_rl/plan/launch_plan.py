@@ -15,9 +15,10 @@ from typing import Any
 from colocate_rl import rundir
 from colocate_rl.model_config import looks_local
 from colocate_rl.plan.engine_options import EngineOptions
+from colocate_rl.plan.evaluation import held_out_rows
 from colocate_rl.plan.identity import NODE_RANK_ENV, RECIPE_HASH_ENV, identity_hash, recipe_identity
 from colocate_rl.plan.launch_spec import LaunchSpec
-from colocate_rl.plan.resolve import Resolved
+from colocate_rl.plan.resolved import Resolved
 from colocate_rl.plan.trl_args import trl_args
 from colocate_rl.recipe.load import dump_recipe
 
@@ -135,7 +136,7 @@ def make_plan(
     resume_from: str | None = None,
 ) -> LaunchPlan:
     """Everything `train` will do, decided without touching the filesystem or the environment."""
-    recipe = resolved.recipe.model_copy(deep=True)
+    recipe = resolved.recorded_recipe().model_copy(deep=True)  # every auto as decided: the ranks and a resume read it
     recipe.output.run_dir = str(run_dir)
     env = rank_env(resolved, base_env, cache_dir)
     argv = torchrun_argv(resolved, run_dir, python)
@@ -156,6 +157,9 @@ def make_plan(
         engine=engine_options(resolved),
         recipe_hash=recipe_hash,
         resume_from=resume_from,
+        builtin_model=resolved.builtin_layout is not None,
+        model_dtype=resolved.model_dtype,
+        held_out_rows=held_out_rows(recipe),
     )
     if multi_node:
         # Shared by all nodes (each writes the same bytes, the first one wins): no node rank in it.

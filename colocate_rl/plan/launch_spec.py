@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from colocate_rl import rundir
 from colocate_rl.errors import UserError
 from colocate_rl.plan.engine_options import EngineOptions
 
@@ -23,6 +24,10 @@ class LaunchSpec:
     engine: EngineOptions | None  # colocate-rl's vLLM engine; None: TRL's engine or no vLLM
     recipe_hash: str  # the recipe identity the run dir's files were written for
     resume_from: str | None = None  # `train --resume`: the checkpoint planned; the ranks take the newest complete one
+    # What the ranks would otherwise derive from the recipe; a launch.json of an earlier version lacks them (`read`)
+    builtin_model: bool = False  # model_path is the run dir's built-in model (its tokenizer loads the way it was saved)
+    model_dtype: str = "float32"  # the weights' dtype: training (TRL's model_init_kwargs) and final/
+    held_out_rows: int | None = None  # rows at the end of a data file left to evaluation; None: not recorded
 
     def to_json(self) -> str:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -37,6 +42,10 @@ class LaunchSpec:
         try:
             data = json.loads(Path(path).read_text())
             engine = data.pop("engine")
+            if "model_dtype" not in data:  # an earlier version's: what it recorded elsewhere
+                run_dir = Path(data["trl_args"]["output_dir"]).parent
+                data["builtin_model"] = data["model_path"] == str(run_dir / rundir.MODEL_LINK)
+                data["model_dtype"] = data["trl_args"]["model_init_kwargs"]["dtype"]
             return cls(**data, engine=EngineOptions.from_json(engine) if engine is not None else None)
         except OSError as e:
             raise UserError(

@@ -14,12 +14,13 @@ if TYPE_CHECKING:
     from colocate_rl.recipe.schema import Recipe
 
 
-def check_lora_targets(recipe: Recipe) -> list[str]:
+def check_lora_targets(recipe: Recipe, config: dict[str, Any] | None = None) -> list[str]:
     """One line per name of a `model.lora.target_modules` list that matches no module of the model (as PEFT matches:
     the module's name is the target or ends with `.<target>`), or that matches a module PEFT cannot adapt (it raises on
     any but linear, embedding, convolution and multi-head attention layers), and `lm_head`. The model is built from its config on the
     meta device: no weight is read. [] without LoRA, for all-linear, and when the config cannot be had (a hub model
-    neither reachable nor cached) or transformers cannot build the model: the ranks then fail in PEFT as before."""
+    neither reachable nor cached) or transformers cannot build the model: the ranks then fail in PEFT as before.
+    `config`: the model's config.json when the caller has read it already."""
     lora = recipe.model.lora
     if lora is None or isinstance(lora.target_modules, str):
         return []
@@ -28,7 +29,7 @@ def check_lora_targets(recipe: Recipe) -> list[str]:
             "model.lora.target_modules: lm_head cannot be adapted (TRL computes the log-probabilities from its weight "
             "directly, so its adapter would never train); remove lm_head"
         ]
-    modules = _meta_modules(recipe.model.name)
+    modules = _meta_modules(recipe.model.name, config)
     if modules is None:
         return []
     from torch import nn
@@ -56,14 +57,16 @@ def check_lora_targets(recipe: Recipe) -> list[str]:
     return problems
 
 
-def _meta_modules(name: str) -> list[tuple[str, Any]] | None:
-    """(name, module) of every module of the causal LM `name` (builtin layout, local directory or hub id) built on the
-    meta device; None when its config cannot be had or transformers cannot build the model from it."""
-    try:
-        layout = builtin_layout(name)
-        config = {"model_type": "qwen2", **LAYOUTS[layout]} if layout else model_config(name, "model.name")
-    except UserError:
-        return None
+def _meta_modules(name: str, config: dict[str, Any] | None) -> list[tuple[str, Any]] | None:
+    """(name, module) of every module of the causal LM `name` (builtin layout, local directory or hub id; `config`
+    when read already) built on the meta device; None when its config cannot be had or transformers cannot build the
+    model from it."""
+    if config is None:
+        try:
+            layout = builtin_layout(name)
+            config = {"model_type": "qwen2", **LAYOUTS[layout]} if layout else model_config(name, "model.name")
+        except UserError:
+            return None
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

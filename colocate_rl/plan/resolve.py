@@ -1,176 +1,29 @@
-"""Cross-field validation: the recipe against the host it will run on.
+"""Cross-field validation: the recipe against the host it will run on, over what the pre-flight read.
 
 `bind_to_host` decides everything that depends on the machine (ranks per node, generation backend, device,
-precision, the DeepSpeed JSON) and checks what needs the planned world size. It reads the files the
-recipe names (DeepSpeed JSON, the model's config.json, the data file's first rows, reward modules, reward models'
-config.json; with LoRA target names, the model built from its config on the meta device), calls each reward function
-once on a sample completion, and checks `trainer.extra_args` against TRL's field types, but writes nothing and
-downloads nothing but a hub model's or reward model's config (a hub dataset is not opened). All problems are raised
-together in one UserError.
+precision, the DeepSpeed JSON) and checks what needs the planned world size. It reads no file the recipe names and
+runs no user code: what those said comes in the pre-flight's result (`colocate_rl.plan.preflight`), whose problems it
+raises together with its own in one UserError. (It reads the DeepSpeed JSON the recipe names and checks
+`trainer.extra_args` against TRL's field types.)
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from colocate_rl.builtin_model import builtin_layout
 from colocate_rl.errors import UserError
-from colocate_rl.model_config import gguf_problem
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deepspeed_config
 from colocate_rl.plan.engine_options import ENGINE_ONLY_KEYS
-from colocate_rl.plan.evaluation import check_eval
+from colocate_rl.plan.evaluation import check_eval_schedule
 from colocate_rl.plan.host import Host
-from colocate_rl.plan.lora import check_lora_targets
+from colocate_rl.plan.preflight import Preflight
+from colocate_rl.plan.resolved import Resolved
 from colocate_rl.plan.trl_args import check_extra_args
 from colocate_rl.recipe.schema import Recipe
-
-if TYPE_CHECKING:
-    from colocate_rl.data_check import DataSample
-    from colocate_rl.memory.autolayout import LayoutChoice, SleepChoice
-    from colocate_rl.memory.micro_batch import MicroBatchChoice
-
 
 # Ranks per node on a machine without GPU: at most its CPU cores, but never fewer than a GPU node's ranks, so that a
 # GPU recipe (8 ranks per node) still validates and dry-runs on a small CPU machine such as CI's.
 MIN_CPU_RANK_LIMIT = 8
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """A validated recipe bound to a host: every machine-dependent choice made."""
-
-    recipe: Recipe
-    host: Host
-    nproc_per_node: int
-    device: str  # "cuda" or "cpu"
-    backend: str  # "vllm" or "transformers"
-    precision: str  # "bf16", "fp16" or "no"
-    model_dtype: str  # "bfloat16", "float16" or "float32"
-    deepspeed: dict[str, Any] | None
-    builtin_layout: str | None  # set when model.name is builtin:<layout>
-    gradient_checkpointing: bool = False  # trainer.gradient_checkpointing as resolved (auto → chosen)
-    layout_choice: LayoutChoice | None = None  # what auto chose, when zero_stage or gradient_checkpointing is auto
-    sleep_choice: SleepChoice | None = None  # what auto chose, when generation.sleep_level is auto (recipe holds it)
-    micro_batch_choice: MicroBatchChoice | None = None  # when trainer.micro_batch_size is auto (recipe holds it)
-
-    def choice_lines(self) -> list[str]:
-        """What each `auto` chose and why, one line each (the layout may take several)."""
-        return (
-            (self.layout_choice.lines() if self.layout_choice is not None else [])
-            + ([self.sleep_choice.line()] if self.sleep_choice is not None else [])
-            + ([self.micro_batch_choice.line()] if self.micro_batch_choice is not None else [])
-        )
-
-    @property
-    def world_size(self) -> int:
-        return self.recipe.distributed.nnodes * self.nproc_per_node
-
-
-def _check_model(recipe: Recipe) -> tuple[str | None, list[str]]:
-    name = recipe.model.name
-    try:
-        layout = builtin_layout(name)
-    except UserError as e:
-        return None, e.lines
-    if layout is not None:
-        return layout, []
-    gguf = gguf_problem(name, "model.name")
-    if gguf:
-        return None, [gguf]
-    path = Path(name).expanduser()
-    looks_local = name.startswith((".", "/", "~")) or os.path.exists(path)  # never raises, unlike Path.exists
-    config = path / "config.json"
-    if looks_local and not os.path.lexists(config):
-        return None, [
-            f"model.name: '{name}' is not a model directory (no config.json); "
-            "give a local model directory, a hub id, or builtin:tiny"
-        ]
-    if looks_local:
-        return None, _check_model_config(config)
-    return None, []
-
-
-def _check_model_config(config: Path) -> list[str]:
-    """A local model's config.json, read as transformers reads it: a JSON object naming its `model_type`."""
-    import json
-
-    from colocate_rl.recipe.load import read_text_file
-
-    fix = "fix the file, or point model.name at a complete model directory"
-    try:
-        data = json.loads(read_text_file(config, "model config", limit=16 << 20))
-    except UserError as e:
-        return [f"model.name: {line}" for line in e.lines]
-    except json.JSONDecodeError as e:
-        return [f"model.name: {config}:{e.lineno}:{e.colno}: invalid JSON ({e.msg}); {fix}"]
-    if not isinstance(data, dict):
-        kind = "a list" if isinstance(data, list) else "text" if isinstance(data, str) else repr(data)
-        return [f"model.name: {config} holds {kind}, not a JSON object; {fix}"]
-    if not isinstance(data.get("model_type"), str) or not data["model_type"]:
-        return [f"model.name: {config} names no model_type (transformers needs it to pick the model class); {fix}"]
-    return []
-
-
-def _check_data(recipe: Recipe) -> tuple[DataSample | None, list[str]]:
-    """The prompts' first rows as the ranks will load them (None for a hub dataset, not opened before launch)."""
-    from colocate_rl.data_check import inspect_data
-
-    data = recipe.data
-    try:
-        sample = inspect_data(
-            data.source,
-            prompt_field=data.prompt_field,
-            chat=data.chat,
-            system_prompt=data.system_prompt,
-            num_samples=data.num_samples,
-            seed=recipe.trainer.seed,
-        )
-    except UserError as e:
-        return None, e.lines
-    return sample, []
-
-
-def _check_rewards(recipe: Recipe, sample: DataSample | None) -> list[str]:
-    """Every reward function imports, finds the columns it needs in the data, and returns one number per completion
-    when called once on a sample completion of the data's first rows (not for a hub dataset, which is not opened);
-    every reward model is a one-label sequence classifier (its config read, the model not loaded)."""
-    from colocate_rl.data_check import check_reward_model, check_reward_on_sample
-    from colocate_rl.rewards import resolve_reward, reward_columns
-
-    problems = []
-    for i, reward in enumerate(recipe.rewards):
-        if reward.model is not None:
-            try:
-                check_reward_model(reward.model, key=f"rewards[{i}].model", chat=recipe.data.chat)
-            except UserError as e:
-                problems.extend(e.lines)
-            continue
-        key = f"rewards[{i}].name"
-        try:
-            fn = resolve_reward(reward.name, key=key)
-        except UserError as e:
-            problems.extend(e.lines)
-            continue
-        if sample is None:
-            continue
-        missing = [c for c in reward_columns(reward.name) if c not in sample.columns]
-        if missing:
-            problems.append(
-                f"{key}: {reward.name} needs the column(s) {', '.join(missing)} and data.source "
-                f"'{recipe.data.source}' has only {', '.join(sample.columns)}; use data with an {missing[0]} column "
-                "(e.g. builtin:arithmetic) or another reward"
-            )
-            continue
-        try:
-            check_reward_on_sample(
-                fn, reward.name, sample, key=key, chat=recipe.data.chat, max_steps=recipe.trainer.max_steps
-            )
-        except UserError as e:
-            problems.extend(e.lines)
-    return problems
 
 
 def check_engine(recipe: Recipe, deepspeed: dict[str, Any] | None) -> list[str]:
@@ -333,20 +186,19 @@ def _deepspeed(recipe: Recipe, precision: str) -> tuple[dict[str, Any] | None, l
         return None, e.lines
 
 
-def bind_to_host(recipe: Recipe, host: Host) -> Resolved:
-    """Bind `recipe` to `host`; raise one UserError listing every cross-field problem. `zero_stage`,
-    `gradient_checkpointing` and `sleep_level` auto are left to `colocate_rl.pipeline.resolve` (the engine checks then
-    wait for the layout chosen)."""
+def bind_to_host(recipe: Recipe, host: Host, pre: Preflight) -> Resolved:
+    """Bind `recipe` to `host`, given its pre-flight `pre`; raise one UserError listing every cross-field problem
+    (the pre-flight's included). `zero_stage`, `gradient_checkpointing` and `sleep_level` auto are left to
+    `colocate_rl.pipeline.resolve` (the engine checks then wait for the layout chosen). ValueError when `pre` is the
+    pre-flight of another recipe (a caller's mistake)."""
+    if not pre.matches(recipe):
+        raise ValueError("bind_to_host: the pre-flight was read for another recipe's model, data or rewards")
     nproc, problems = _ranks(recipe, host)
     backend, backend_problems = _backend(recipe, host)
     precision, model_dtype, precision_problems = _precision(recipe, host)
     deepspeed, deepspeed_problems = _deepspeed(recipe, precision)
-    layout, model_problems = _check_model(recipe)
-    model_problems = model_problems or check_lora_targets(recipe)
     problems += backend_problems + precision_problems + _check_batch(recipe, nproc) + _check_nodes(recipe)
-    sample, data_problems = _check_data(recipe)
-    problems += deepspeed_problems + model_problems + data_problems + _check_rewards(recipe, sample)
-    problems += check_eval(recipe, sample)
+    problems += deepspeed_problems + list(pre.problems) + check_eval_schedule(recipe) + list(pre.eval_problems)
     problems += check_extra_args(recipe)
     if recipe.distributed.zero_stage != "auto":  # auto: the engine's constraints filter the layout candidates
         problems += check_engine(recipe, deepspeed)
@@ -361,6 +213,7 @@ def bind_to_host(recipe: Recipe, host: Host) -> Resolved:
         precision=precision,
         model_dtype=model_dtype,
         deepspeed=deepspeed,
-        builtin_layout=layout,
+        builtin_layout=pre.builtin_layout,
+        preflight=pre,
         gradient_checkpointing=recipe.trainer.gradient_checkpointing is True,
     )

@@ -13,7 +13,7 @@ from colocate_rl import algorithms, rundir
 from colocate_rl.errors import did_you_mean
 
 if TYPE_CHECKING:
-    from colocate_rl.plan.resolve import Resolved
+    from colocate_rl.plan.resolved import Resolved
     from colocate_rl.recipe.schema import Recipe
 
 # TRL config fields `trl_args` sets from something other than a `trainer.*` key of the same name, and the recipe

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from colocate_rl.errors import UserError
-from colocate_rl.telemetry.report import COLORS, MAX_RANKS_SHOWN, PHASES, Run, phase_names, run_names
+from colocate_rl.telemetry.runs import COLORS, MAX_RANKS_SHOWN, PHASES, Run, phase_names, run_names
 from colocate_rl.telemetry.timeline import finite, innermost_spans
 
 

@@ -1,0 +1,190 @@
+"""The pre-flight: everything a command reads of the files and code a recipe names, read once.
+
+`preflight(recipe)` reads the model's config.json (a local directory's; a built-in's layout), the data file's first
+rows, each reward model's config.json (a hub one's fetched, config only), builds the model on the meta device to
+check LoRA target names, imports every reward module or file and calls each reward function once on a sample
+completion (again once per row sample of an explicit `eval.source`). It writes nothing and downloads nothing else (a
+hub dataset is not opened; a hub model's own config is fetched only by the memory estimate, once per process). Its
+result is frozen: binding to a host, choosing the `auto` values, estimating and recommending are pure functions of
+it and the recipe (`colocate_rl.plan.resolve`, `colocate_rl.memory`), so a command that plans many variants of one
+recipe (`mem-probe --estimate`) reads and runs the user's code once. Problems are collected, not raised: the binding
+raises them together with its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from colocate_rl.builtin_model import LAYOUTS, builtin_layout
+from colocate_rl.data_check import DataSample
+from colocate_rl.errors import UserError
+from colocate_rl.model_config import gguf_problem
+from colocate_rl.plan.evaluation import check_eval
+from colocate_rl.plan.lora import check_lora_targets
+from colocate_rl.recipe.schema import Recipe
+
+
+def _reads(recipe: Recipe) -> str:
+    """The parts of `recipe` the pre-flight reads, as one comparable string."""
+    parts = {
+        "model": recipe.model.model_dump(mode="json", include={"name", "lora"}),
+        "data": recipe.data.model_dump(mode="json"),
+        "rewards": [r.model_dump(mode="json") for r in recipe.rewards],
+        "eval": recipe.eval.model_dump(mode="json"),
+        "seed": recipe.trainer.seed,
+    }
+    return json.dumps(parts, sort_keys=True, default=str)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the recipe's files and code said, read once."""
+
+    reads: str  # the recipe parts it was read for (`matches`)
+    builtin_layout: str | None  # model.name is builtin:<layout>
+    model_config: dict[str, Any] | None  # a built-in's or local directory's config.json; None for a hub model
+    reward_model_configs: Mapping[str, dict[str, Any]]  # rewards[*].model → its config.json
+    sample: DataSample | None  # data.source's first rows; None for a hub dataset or data that was refused
+    problems: tuple[str, ...] = ()  # model, data and reward lines, in that order
+    eval_problems: tuple[str, ...] = ()  # the eval section's (besides its schedule)
+
+    def matches(self, recipe: Recipe) -> bool:
+        """Whether this pre-flight read what `recipe` names (a variant that changes only other keys reuses it)."""
+        return self.reads == _reads(recipe)
+
+
+def _check_model(recipe: Recipe) -> tuple[str | None, dict[str, Any] | None, list[str]]:
+    """(built-in layout, config.json, problems) of model.name; a hub model's config is not fetched here."""
+    name = recipe.model.name
+    try:
+        layout = builtin_layout(name)
+    except UserError as e:
+        return None, None, e.lines
+    if layout is not None:
+        return layout, {"model_type": "qwen2", **LAYOUTS[layout]}, []
+    gguf = gguf_problem(name, "model.name")
+    if gguf:
+        return None, None, [gguf]
+    path = Path(name).expanduser()
+    looks_local = name.startswith((".", "/", "~")) or os.path.exists(path)  # never raises, unlike Path.exists
+    config = path / "config.json"
+    if looks_local and not os.path.lexists(config):
+        return (
+            None,
+            None,
+            [
+                f"model.name: '{name}' is not a model directory (no config.json); "
+                "give a local model directory, a hub id, or builtin:tiny"
+            ],
+        )
+    if looks_local:
+        return None, *_read_model_config(config)
+    return None, None, []
+
+
+def _read_model_config(config: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """A local model's config.json, read as transformers reads it: a JSON object naming its `model_type`."""
+    from colocate_rl.recipe.load import read_text_file
+
+    fix = "fix the file, or point model.name at a complete model directory"
+    try:
+        data = json.loads(read_text_file(config, "model config", limit=16 << 20))
+    except UserError as e:
+        return None, [f"model.name: {line}" for line in e.lines]
+    except json.JSONDecodeError as e:
+        return None, [f"model.name: {config}:{e.lineno}:{e.colno}: invalid JSON ({e.msg}); {fix}"]
+    if not isinstance(data, dict):
+        kind = "a list" if isinstance(data, list) else "text" if isinstance(data, str) else repr(data)
+        return None, [f"model.name: {config} holds {kind}, not a JSON object; {fix}"]
+    if not isinstance(data.get("model_type"), str) or not data["model_type"]:
+        return None, [
+            f"model.name: {config} names no model_type (transformers needs it to pick the model class); {fix}"
+        ]
+    return data, []
+
+
+def _check_data(recipe: Recipe) -> tuple[DataSample | None, list[str]]:
+    """The prompts' first rows as the ranks will load them (None for a hub dataset, not opened before launch)."""
+    from colocate_rl.data_check import inspect_data
+
+    data = recipe.data
+    try:
+        sample = inspect_data(
+            data.source,
+            prompt_field=data.prompt_field,
+            chat=data.chat,
+            system_prompt=data.system_prompt,
+            num_samples=data.num_samples,
+            seed=recipe.trainer.seed,
+        )
+    except UserError as e:
+        return None, e.lines
+    return sample, []
+
+
+def _check_rewards(
+    recipe: Recipe, sample: DataSample | None
+) -> tuple[dict[int, Callable], dict[str, dict[str, Any]], list[str]]:
+    """(the reward functions that imported by index, reward models' configs, problems). Every reward function
+    imports, finds the columns it needs in the data, and returns one number per completion when called once on a
+    sample completion of the data's first rows (not for a hub dataset, which is not opened); every reward model is a
+    one-label sequence classifier (its config read, the model not loaded)."""
+    from colocate_rl.data_check import check_reward_model, check_reward_on_sample
+    from colocate_rl.rewards import resolve_reward, reward_columns
+
+    functions, configs, problems = {}, {}, []
+    for i, reward in enumerate(recipe.rewards):
+        if reward.model is not None:
+            try:
+                configs[reward.model] = check_reward_model(
+                    reward.model, key=f"rewards[{i}].model", chat=recipe.data.chat
+                )
+            except UserError as e:
+                problems.extend(e.lines)
+            continue
+        key = f"rewards[{i}].name"
+        try:
+            fn = functions[i] = resolve_reward(reward.name, key=key)
+        except UserError as e:
+            problems.extend(e.lines)
+            continue
+        if sample is None:
+            continue
+        missing = [c for c in reward_columns(reward.name) if c not in sample.columns]
+        if missing:
+            problems.append(
+                f"{key}: {reward.name} needs the column(s) {', '.join(missing)} and data.source "
+                f"'{recipe.data.source}' has only {', '.join(sample.columns)}; use data with an {missing[0]} column "
+                "(e.g. builtin:arithmetic) or another reward"
+            )
+            continue
+        try:
+            check_reward_on_sample(
+                fn, reward.name, sample, key=key, chat=recipe.data.chat, max_steps=recipe.trainer.max_steps
+            )
+        except UserError as e:
+            problems.extend(e.lines)
+    return functions, configs, problems
+
+
+def preflight(recipe: Recipe) -> Preflight:
+    """Read what `recipe` names and run its reward code, once (see the module docstring). Never raises UserError:
+    the problems travel in the result."""
+    layout, config, model_problems = _check_model(recipe)
+    model_problems = model_problems or check_lora_targets(recipe, config)
+    sample, data_problems = _check_data(recipe)
+    functions, reward_configs, reward_problems = _check_rewards(recipe, sample)
+    return Preflight(
+        reads=_reads(recipe),
+        builtin_layout=layout,
+        model_config=config,
+        reward_model_configs=reward_configs,
+        sample=sample,
+        problems=(*model_problems, *data_problems, *reward_problems),
+        eval_problems=tuple(check_eval(recipe, sample, functions)),
+    )

@@ -1,0 +1,101 @@
+"""`Resolved`: a recipe bound to a host, every `auto` decided, and the recipe as the run directory records it
+(`Resolved.recorded_recipe`: the decided values in place of `auto`, so that a resume and the ranks read them and
+never choose again). Torch-free; reads nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from colocate_rl.plan.choices import LayoutChoice, MicroBatchChoice, SleepChoice
+from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout
+from colocate_rl.plan.host import Host
+from colocate_rl.plan.preflight import Preflight
+from colocate_rl.recipe.schema import Recipe
+
+# Every recipe key that may say `auto`: what the resolution decides
+AUTO_KEYS = (
+    "distributed.nproc_per_node",
+    "distributed.mixed_precision",
+    "distributed.zero_stage",
+    "model.dtype",
+    "generation.backend",
+    "generation.sleep_level",
+    "trainer.gradient_checkpointing",
+    "trainer.micro_batch_size",
+)
+
+
+def _get(recipe: Recipe, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(recipe, section), key)
+
+
+def auto_keys(recipe: Recipe) -> list[str]:
+    """The keys of AUTO_KEYS that `recipe` leaves `auto`."""
+    return [key for key in AUTO_KEYS if _get(recipe, key) == "auto"]
+
+
+def with_values(recipe: Recipe, values: Mapping[str, Any]) -> Recipe:
+    """A copy of `recipe` with `values` (`section.key` → value) set as they are: values a resolution decided."""
+    sections: dict[str, dict[str, Any]] = {}
+    for dotted, value in values.items():
+        section, key = dotted.split(".")
+        sections.setdefault(section, {})[key] = value
+    return recipe.model_copy(update={s: getattr(recipe, s).model_copy(update=u) for s, u in sections.items()})
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A validated recipe bound to a host: every machine-dependent choice made. `recipe` holds the sleep level and
+    micro-batch decided; the other decisions are fields here (`recorded_recipe` puts them into the recipe)."""
+
+    recipe: Recipe
+    host: Host
+    nproc_per_node: int
+    device: str  # "cuda" or "cpu"
+    backend: str  # "vllm" or "transformers"
+    precision: str  # "bf16", "fp16" or "no"
+    model_dtype: str  # "bfloat16", "float16" or "float32"
+    deepspeed: dict[str, Any] | None
+    builtin_layout: str | None  # set when model.name is builtin:<layout>
+    preflight: Preflight  # what the recipe's files said: the estimate reads the model's config from it
+    gradient_checkpointing: bool = False  # trainer.gradient_checkpointing as resolved (auto → chosen)
+    layout_choice: LayoutChoice | None = None  # what auto chose, when zero_stage or gradient_checkpointing is auto
+    sleep_choice: SleepChoice | None = None  # what auto chose, when generation.sleep_level is auto (recipe holds it)
+    micro_batch_choice: MicroBatchChoice | None = None  # when trainer.micro_batch_size is auto (recipe holds it)
+
+    def choice_lines(self) -> list[str]:
+        """What each `auto` chose and why, one line each (the layout may take several)."""
+        return (
+            (self.layout_choice.lines() if self.layout_choice is not None else [])
+            + ([self.sleep_choice.line()] if self.sleep_choice is not None else [])
+            + ([self.micro_batch_choice.line()] if self.micro_batch_choice is not None else [])
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.recipe.distributed.nnodes * self.nproc_per_node
+
+    def recorded_recipe(self) -> Recipe:
+        """The recipe with every `auto` replaced by what it resolved to (`auto_keys` of it is empty): ranks, backend,
+        precision, dtype, gradient checkpointing and, for `zero_stage: auto`, the DeepSpeed config named (auto's
+        base when none), the stage and the offload chosen."""
+        dist = self.recipe.distributed
+        values: dict[str, Any] = {
+            "distributed.nproc_per_node": self.nproc_per_node,
+            "distributed.mixed_precision": self.precision,
+            "model.dtype": self.model_dtype,
+            "generation.backend": self.backend,
+            "trainer.gradient_checkpointing": self.gradient_checkpointing,
+        }
+        if dist.zero_stage == "auto":
+            zero = ZeroLayout.of(self.deepspeed)
+            values.update(
+                {"distributed.deepspeed": dist.deepspeed or AUTO_BASE_CONFIG, "distributed.zero_stage": zero.stage}
+            )
+            for key in ("offload_optimizer", "offload_params"):
+                if getattr(dist, key) is None:
+                    values[f"distributed.{key}"] = getattr(zero, key)
+        return with_values(self.recipe, values)
