@@ -29,20 +29,12 @@ import time
 
 import torch
 
-from colocate_rl.prompts import load_eval_prompts, source_kind
+from colocate_rl.prompts import load_eval_prompts
 from colocate_rl.rank.adapter import trl as trl_adapter
 from colocate_rl.rank.engine import Sampling
 from colocate_rl.recipe.schema import Recipe
 
 RESERVED_NAMES = ("reward", "completion_length")  # eval/<name> keys of their own
-
-
-def held_out_rows(recipe: Recipe) -> int:
-    """Rows at the end of a local data.source file that training leaves out, because evaluation holds them out."""
-    ev = recipe.eval
-    if ev.every_steps is None or ev.source is not None or source_kind(recipe.data.source) != "file":
-        return 0
-    return ev.num_samples
 
 
 def load_eval_dataset(recipe: Recipe):

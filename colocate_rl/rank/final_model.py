@@ -21,7 +21,7 @@ def save_final(trainer, paths: RunDir, recipe, launch: LaunchSpec) -> None:
     import torch.distributed as dist
 
     partial = paths.path / f"{FINAL}.partial"
-    dtype = launch.trl_args.get("model_init_kwargs", {}).get("dtype", "float32")
+    dtype = launch.model_dtype
     try:
         trainer.save_model(str(partial))
         if trainer.is_world_process_zero():

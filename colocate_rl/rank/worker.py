@@ -110,6 +110,16 @@ def engine_factory(launch: LaunchSpec, run_dir: Path, seed: int):
     return (lambda trainer: from_trainer(trainer, launch.engine, run_dir, seed)), False
 
 
+def held_out_rows(launch: LaunchSpec, paths: RunDir) -> int:
+    """Rows at the end of the data file that evaluation holds out, as the plan recorded them."""
+    if launch.held_out_rows is None:
+        raise UserError(
+            f"{paths.launch_spec}: written by an earlier colocate-rl without the held-out rows; continue the run with "
+            f"`colocate-rl train --resume {paths.path}` (it records them), or start a new run"
+        )
+    return launch.held_out_rows
+
+
 def load_tokenizer(model_path: str, builtin: bool):
     """The trainer's tokenizer; a built-in model's tokenizer is loaded the way it was saved."""
     if builtin:
@@ -159,11 +169,10 @@ def checked_reward(fn, key: str):
 
 def build_trainer(run_dir: Path):
     """Construct the TRL trainer for this rank from the run directory's files."""
-    from colocate_rl.builtin_model import builtin_layout
     from colocate_rl.prompts import load_prompts
     from colocate_rl.rank import adapter
     from colocate_rl.rank.checkpoints import make_checkpoint_callback
-    from colocate_rl.rank.evaluation import held_out_rows, make_eval_callback
+    from colocate_rl.rank.evaluation import make_eval_callback
     from colocate_rl.rank.lora import peft_config
     from colocate_rl.rank.same_recipe import check_same_recipe
     from colocate_rl.rank.telemetry import Telemetry
@@ -191,7 +200,7 @@ def build_trainer(run_dir: Path):
         system_prompt=data.system_prompt,
         num_samples=data.num_samples,
         seed=recipe.trainer.seed,
-        held_out=held_out_rows(recipe),
+        held_out=held_out_rows(launch, paths),
     )
     # a reward model goes to TRL as its path or hub id: TRL loads it (AutoModelForSequenceClassification, num_labels
     # 1, the policy's dtype) with its own tokenizer and logs it under the path's last part
@@ -201,7 +210,7 @@ def build_trainer(run_dir: Path):
         else checked_reward(resolve_reward(r.name, key=f"rewards[{i}].name"), f"rewards[{i}].name {r.name}")
         for i, r in enumerate(recipe.rewards)
     ]
-    tokenizer = load_tokenizer(launch.model_path, builtin_layout(recipe.model.name) is not None)
+    tokenizer = load_tokenizer(launch.model_path, launch.builtin_model)
     telemetry = Telemetry(run_dir, resume=launch.resume_from is not None)
     callback = make_metrics_callback(paths.metrics, telemetry)
     checkpoints = make_checkpoint_callback(run_dir, recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes)
