@@ -12,12 +12,12 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from colocate_rl.errors import UserError, did_you_mean
 
-if TYPE_CHECKING:
-    from colocate_rl.recipe.schema import Recipe
+# The recipe (colocate_rl.recipe.schema.Recipe) is a higher layer: checks take it as any object with its fields.
+Recipe = Any
 
 # TRL's config and trainer class of each trainer kind
 TRAINERS = {"grpo": ("GRPOConfig", "GRPOTrainer"), "rloo": ("RLOOConfig", "RLOOTrainer")}
