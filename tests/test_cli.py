@@ -111,7 +111,7 @@ def test_recipes_lists_and_copies(tmp_path):
         assert script in listing.stdout
     script = cli("recipes", "slurm.sbatch", "--out", "job.sbatch", cwd=tmp_path)
     assert script.returncode == 0, script.stderr
-    assert (tmp_path / "job.sbatch").read_text() == (ROOT / "examples" / "slurm.sbatch").read_text()
+    assert (tmp_path / "job.sbatch").read_text() == (ROOT / "scripts" / "slurm.sbatch").read_text()
     assert (tmp_path / "job.sbatch").stat().st_mode & 0o100
 
 

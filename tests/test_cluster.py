@@ -379,7 +379,7 @@ done
 
 
 def test_slurm_script_literal_sbatch_header():
-    lines = (ROOT / "examples/slurm.sbatch").read_text().splitlines()
+    lines = (ROOT / "scripts/slurm.sbatch").read_text().splitlines()
     sbatch = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
     assert sbatch and all("$" not in lines[i] and "`" not in lines[i] for i in sbatch)
     # sbatch stops reading #SBATCH at the first command: only comments and blank lines before the last one
@@ -399,7 +399,7 @@ def test_slurm_script_dry_run_prints_each_node_command(tmp_path):
         SLURM_CPUS_PER_TASK="4",
     )
     result = subprocess.run(
-        ["bash", str(ROOT / "examples/slurm.sbatch"), "quickstart", "--set", "trainer.max_steps=3"],
+        ["bash", str(ROOT / "scripts/slurm.sbatch"), "quickstart", "--set", "trainer.max_steps=3"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -447,7 +447,7 @@ def test_slurm_script_requeues_after_a_stop_and_resumes_when_started_again(tmp_p
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     env = script_env(PATH=f"{bin_dir}:{VENV_BIN}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_NNODES="2")
-    script = str(ROOT / "examples/slurm.sbatch")
+    script = str(ROOT / "scripts/slurm.sbatch")
     proc = subprocess.Popen(["bash", script, "quickstart"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
     hang_guard = time.monotonic() + 60  # not a speed check: only ends a hung test
     while not (tmp_path / "started").exists():
@@ -476,7 +476,7 @@ def test_slurm_script_requeues_after_a_stop_and_resumes_when_started_again(tmp_p
 
 def test_slurm_script_outside_slurm_fails_clearly(tmp_path):
     result = subprocess.run(
-        ["bash", str(ROOT / "examples/slurm.sbatch"), "recipes/quickstart.yaml"],
+        ["bash", str(ROOT / "scripts/slurm.sbatch"), "recipes/quickstart.yaml"],
         cwd=tmp_path,
         env=script_env(),
         capture_output=True,
@@ -488,7 +488,7 @@ def test_slurm_script_outside_slurm_fails_clearly(tmp_path):
 
 def test_multinode_script_dry_run_commands_agree(tmp_path):
     env = script_env(MASTER_ADDR="10.0.0.1", NNODES="2", RDZV_ID="job9")
-    script = str(ROOT / "examples/multinode.sh")
+    script = str(ROOT / "scripts/multinode.sh")
     result = subprocess.run(
         ["bash", script, "recipes/quickstart.yaml", "--set", "trainer.max_steps=3", "--dry-run"],
         cwd=ROOT,
@@ -533,7 +533,7 @@ def test_multinode_script_dry_run_commands_agree(tmp_path):
 def test_single_node_script_ignores_slurm(tmp_path):
     env = script_env(DRY_RUN="1", **SLURM)
     result = subprocess.run(
-        ["bash", str(ROOT / "examples/single-node.sh"), "recipes/quickstart.yaml"],
+        ["bash", str(ROOT / "scripts/single-node.sh"), "recipes/quickstart.yaml"],
         cwd=ROOT,
         env=env,
         capture_output=True,

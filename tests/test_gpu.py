@@ -496,7 +496,7 @@ def test_stop_and_resume_with_the_colocated_engine(tmp_path, recipe, visible, se
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_two_gpus_as_two_nodes_stop_together_and_resume(tmp_path):
-    """Two nodes of one GPU each through examples/multinode.sh (c10d on localhost, NCCL, one shared run dir):
+    """Two nodes of one GPU each through scripts/multinode.sh (c10d on localhost, NCCL, one shared run dir):
     SIGTERM to node 1 alone stops both with one checkpoint; resuming on both nodes reaches max_steps, every step
     once, the weight check on every resumed step."""
     import signal
@@ -522,7 +522,7 @@ def test_two_gpus_as_two_nodes_stop_together_and_resume(tmp_path):
             "COLOCATE_RL": f"{sys.executable} -m colocate_rl",
         }
         return subprocess.Popen(
-            ["bash", "examples/multinode.sh", *args],
+            ["bash", "scripts/multinode.sh", *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

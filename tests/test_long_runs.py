@@ -256,7 +256,7 @@ def test_a_full_disk_stops_the_job_with_one_line(small_disk):
 
 @pytest.mark.slow
 def test_two_nodes_stop_together_and_resume(tmp_path):
-    """Two nodes on this machine through examples/multinode.sh (one rank each, c10d on localhost, one shared run
+    """Two nodes on this machine through scripts/multinode.sh (one rank each, c10d on localhost, one shared run
     dir): SIGTERM to node 1 alone stops both with the same checkpoint; resuming on both nodes reaches max_steps with
     every step once."""
     import socket
@@ -276,7 +276,7 @@ def test_two_nodes_stop_together_and_resume(tmp_path):
             COLOCATE_RL=f"{sys.executable} -m colocate_rl",
         )
         return subprocess.Popen(
-            ["bash", "examples/multinode.sh", *args],
+            ["bash", "scripts/multinode.sh", *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
