@@ -12,6 +12,8 @@ from conftest import CPU, ROOT, assert_user_error, cli, resolved
 from colocate_rl.plan.host import Gpu, Host, assumed_host
 from colocate_rl.recipe.shipped import shipped_recipes
 
+pytestmark = pytest.mark.slow  # every test starts the CLI as a process
+
 
 def test_help_is_light():
     result = cli("--help")

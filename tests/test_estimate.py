@@ -155,6 +155,7 @@ def test_unknown_hub_id_offline_says_to_pass_a_local_path(monkeypatch):
     assert len(e.value.lines) == 1 and "give a local model directory" in e.value.lines[0]
 
 
+@pytest.mark.slow
 def test_import_is_light():
     code = (
         "import sys, colocate_rl.memory.recommend; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
@@ -637,6 +638,7 @@ def qwen05_file(tmp_path):
     return write_recipe(tmp_path / "qwen05.yaml", QWEN05)
 
 
+@pytest.mark.slow
 def test_cli_table_json_and_write(tmp_path, qwen05_file):
     shown = cli("mem-probe", qwen05_file, "--estimate", "--gpus", "1", "--gpu-memory", "80")
     assert shown.returncode == 0, shown.stderr
@@ -717,6 +719,7 @@ def test_cli_table_json_and_write(tmp_path, qwen05_file):
         ),
     ],
 )
+@pytest.mark.slow
 def test_cli_errors(args, fragment, qwen05_file):
     # no GPU visible to it; offline, as CI is (a hub id outside the shipped table would be fetched)
     result = cli("mem-probe", *(qwen05_file if a == "RECIPE" else a for a in args), env={"HF_HUB_OFFLINE": "1"})

@@ -33,7 +33,12 @@ def _cuda_count() -> int:
 
 GPUS = _cuda_count()
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0 or not HAS_VLLM, reason="needs CUDA GPUs and vLLM")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.timeout(3600),  # real runs on the GPUs, up to 500 steps
+    pytest.mark.skipif(GPUS == 0 or not HAS_VLLM, reason="needs CUDA GPUs and vLLM"),
+]
 STEPS = 10
 
 

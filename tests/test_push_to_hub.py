@@ -102,6 +102,7 @@ def test_trls_own_push_options_point_at_output_push_to_hub():
 # ---------------------------------------------------------------------------------------------- the token
 
 
+@pytest.mark.slow
 def test_no_token_is_one_line_before_anything_is_written(tmp_path):
     """HF_TOKEN unset and HF_HOME an empty directory (no cached login): validate, train --dry-run (the real run would
     fail) and train each stop with the same line, exit 2, and create no run directory."""
@@ -180,6 +181,7 @@ app(sys.argv[1:], prog_name="colocate-rl")
 """
 
 
+@pytest.mark.slow
 def test_a_failed_push_keeps_the_run_and_ends_with_one_line_and_exit_1(tmp_path):
     """HF_ENDPOINT is a closed local port and the token a fake: the run finishes, final/ and DONE stay, `train`
     ends with one line saying how to retry and exits 1. The ranks run offline (a built-in model), the launcher's
