@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import NO_GPU, ROOT, assert_user_error, clean_env, cli
+from conftest import NO_GPU, ROOT, assert_user_error, clean_env, cli, cli_here
 
 from colocate_rl.launch.execute import RunResult, exit_code, run
 from colocate_rl.launch.supervise import run_supervised
@@ -167,9 +167,9 @@ def test_sigterm_saves_a_checkpoint_and_resume_reaches_max_steps(tmp_path):
     assert RunDir(run_dir).done.exists() and (RunDir(run_dir).final / "config.json").is_file()
     [event] = events.read_events(run_dir, events.RESUMED)
     assert event["step"] == stopped["step"]
-    report = cli("report", run_dir, "--out", tmp_path / "report", timeout=HANG_GUARD_S)
+    report = cli_here("report", run_dir, "--out", tmp_path / "report")
     assert report.returncode == 0, report.stderr
-    assert_user_error(cli("train", "--resume", run_dir), "the run already finished")
+    assert_user_error(cli_here("train", "--resume", run_dir), "the run already finished")
     again = subprocess.run(["bash", str(run_dir / "launch.sh")], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert again.returncode != 0 and "the run already finished" in again.stdout + again.stderr
     assert [r["step"] for r in step_records(run_dir)] == list(range(1, 9))  # nothing was appended
@@ -238,10 +238,11 @@ def test_a_nan_reward_stops_the_run(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 600 KiB tmpfs (root only; skipped where mounting is not allowed)."""
+    """A 200 KiB tmpfs (root only; skipped where mounting is not allowed): the run dir's files before launch take
+    12 KiB, the logs of a CPU run then grow ~35 KiB/s."""
     mount = tmp_path / "small"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount)], capture_output=True)
     if made.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode(errors='replace').strip()}")
     yield mount

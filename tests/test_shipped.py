@@ -118,3 +118,5 @@ def test_ci_runs_the_readme_test_command():
     assert block == "python -m pytest -q"
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert block in ci, ".ci/run must call the README's exact test command"
+    tests = readme.split("\n## Tests\n", 1)[1].split("\n## ", 1)[0]
+    assert '`python -m pytest -q -m "not slow"`' in tests, "the Tests section names the fast tier"
