@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: the CLI as a subprocess, fixed hosts, recipe resolution, test-local recipes.
+"""Helpers shared by the tests: the CLI as a subprocess or in this process, fixed hosts, recipe resolution, test-local
+recipes.
 
 Tests are hermetic: they plan for a `Host` given here (or `--gpus N` / no visible GPU on the command line), never for
 the machine they run on, except `test_cli.py::test_this_machine_smoke`."""
@@ -44,6 +45,32 @@ def cli(*args, cwd: Path = ROOT, env: dict | None = None, timeout: float = 120, 
         env=clean_env(**({} if this_machine else NO_GPU), **(env or {})),
         timeout=timeout,
     )
+
+
+def cli_here(*args, cwd: Path = ROOT, env: dict | None = None):
+    """`colocate-rl ARGS` in this process (typer's CliRunner), with `cli`'s result fields (returncode, stdout, stderr)
+    and none of its ~1 s process start: for tests of what a command prints and writes, not of how it starts. An
+    exception that escapes the command is added to stderr as its traceback, as a user would see it. No GPU is visible
+    to it; Slurm and launcher variables are hidden, as in `clean_env`."""
+    import traceback
+
+    from typer.testing import CliRunner
+
+    from colocate_rl.cli import app
+
+    hidden = {k: None for k in os.environ if k.startswith(("SLURM_", "COLOCATE_RL_", "MASTER_"))}
+    previous = Path.cwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(
+            app, list(map(str, args)), env={**hidden, **NO_GPU, "COLUMNS": "200", **(env or {})}
+        )
+    finally:
+        os.chdir(previous)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, stderr)
 
 
 def assert_user_error(result, *fragments, one_line: bool = False):

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CPU, NO_GPU, ROOT, assert_user_error, clean_env, cli, resolved, write_recipe
+from conftest import CPU, NO_GPU, ROOT, assert_user_error, clean_env, cli, cli_here, resolved, write_recipe
 
 from colocate_rl import algorithms
 from colocate_rl.plan.launch_plan import cache_dir, make_plan
@@ -117,7 +117,7 @@ def test_trl_config_accepts_every_algorithms_planned_arguments(name, tmp_path):
 )
 def test_a_typo_or_a_contradiction_is_one_error_line_naming_the_key(sets, expected):
     args = [arg for s in sets for arg in ("--set", s)]
-    assert_user_error(cli("validate", "quickstart", *args), expected, one_line=True)
+    assert_user_error(cli_here("validate", "quickstart", *args), expected, one_line=True)
 
 
 def test_the_recipe_guide_lists_every_algorithm():
@@ -127,6 +127,7 @@ def test_the_recipe_guide_lists_every_algorithm():
     assert algorithms_table() in guide, "docs/guide/recipes.md is stale: run python tools/recipe_reference.py"
 
 
+@pytest.mark.slow  # the CLI of a copied package, in a subprocess
 def test_one_new_file_adds_an_algorithm(tmp_path):
     """A copy of the package with one more module in colocate_rl/algorithms/: the recipe takes the name."""
     shutil.copytree(ROOT / "colocate_rl", tmp_path / "colocate_rl", ignore=shutil.ignore_patterns("__pycache__"))

@@ -249,6 +249,7 @@ def qwen7_file(tmp_path):
     return write_recipe(tmp_path / "qwen7.yaml", QWEN7_1GPU)
 
 
+@pytest.mark.slow
 def test_train_dry_run_and_validate_say_what_auto_chose(qwen7_file):
     result = cli("train", qwen7_file, "--dry-run", "--gpus", "1", "--gpu-memory", H200)
     assert result.returncode == 0, result.stderr
@@ -267,6 +268,7 @@ def test_train_dry_run_and_validate_say_what_auto_chose(qwen7_file):
     assert "chosen: ZeRO-3 + offload optimizer, checkpointing — the first that fits" in shown.stdout
 
 
+@pytest.mark.slow
 def test_mem_probe_shows_and_returns_the_choice(qwen7_file):
     shown = cli("mem-probe", qwen7_file, "--estimate", "--gpus", "1", "--gpu-memory", H200)
     assert shown.returncode == 0, shown.stderr
@@ -333,6 +335,7 @@ def test_shipped_gpu_recipes_use_auto_where_it_is_safe():
     assert load_recipe(ROOT / "recipes" / "quickstart.yaml").distributed.deepspeed == "zero3"
 
 
+@pytest.mark.slow
 def test_bench_script_dry_run_prints_every_row(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(
@@ -371,6 +374,7 @@ def test_bench_script_dry_run_prints_every_row(tmp_path):
     assert bad.returncode == 2 and "unknown rows ['zero5']" in bad.stderr
 
 
+@pytest.mark.slow
 def test_bench_script_takes_issue_19s_workload_b_shape(tmp_path):
     """--completion-length / --max-model-len reach the colocated recipe, vLLM's server and TRL's server-mode
     trainer (workload (b): 512 completion tokens); a length with no room for the prompt is refused."""

@@ -1,10 +1,11 @@
 """Every bad input is stopped before launch (issue 17, items 5 and 6): `train` exits 2 with one `error:` line per
 problem naming the key or file and the fix, prints no traceback and writes nothing; `validate` says the same.
 
-The matrix runs the CLI as users do (a subprocess, no GPU visible: CPU planning). `train ... --gpus 0` plans like
-`validate` and can never start torchrun: a recipe that passed validation would stop at "--gpus: only for
-planning", so each case's fragment proves its check fired. The run-directory cases run `train` without `--gpus`
-(they pass validation by design) and must stop at the run directory. Then the checks' parts in-process: the TRL
+The matrix runs the CLI with no GPU visible (CPU planning). `train ... --gpus 0` plans like `validate` and can never
+start torchrun: a recipe that passed validation would stop at "--gpus: only for planning", so each case's fragment
+proves its check fired; those cases run in this process (`cli_here`). The run-directory cases run `train` without
+`--gpus` (they pass validation by design) and must stop at the run directory, and the FIFO cases could block: both
+run the CLI as users do, in a subprocess with a timeout (slow tier). Then the checks' parts in-process: the TRL
 value kinds and the DeepSpeed keys against the installed TRL and DeepSpeed, good inputs that must pass (and load on
 the ranks), the secret-key rule, and an OS error in the middle of writing the run directory."""
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CPU, assert_user_error, cli, write_recipe
+from conftest import CPU, assert_user_error, cli, cli_here, write_recipe
 from typer.testing import CliRunner
 
 from colocate_rl.cli import app
@@ -520,7 +521,9 @@ def files_in(path: Path) -> list[Path]:
     return sorted(p.relative_to(path) for p in path.rglob("*") if "__pycache__" not in p.parts)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.launches or c.could_hang else []) for c in CASES]
+)
 def test_bad_input_stops_before_launch(case, tmp_path, monkeypatch):
     if case.root_skips and os.geteuid() == 0:
         pytest.skip("root writes into read-only directories (the OS error itself is tested in-process below)")
@@ -540,7 +543,10 @@ def test_bad_input_stops_before_launch(case, tmp_path, monkeypatch):
     before = files_in(tmp_path)
 
     plan = [] if case.launches else ["--gpus", "0"]
-    result = cli("train", case.recipe_path, *sets, "--run-dir", case.run_dir, *plan, cwd=tmp_path, timeout=60)
+    if case.launches or case.could_hang:  # could start torchrun or block this process: a subprocess with a timeout
+        result = cli("train", case.recipe_path, *sets, "--run-dir", case.run_dir, *plan, cwd=tmp_path, timeout=60)
+    else:
+        result = cli_here("train", case.recipe_path, *sets, "--run-dir", case.run_dir, *plan, cwd=tmp_path)
     assert_user_error(result, *case.expect)
     assert len(result.stderr.strip().splitlines()) == case.lines, result.stderr
     assert not os.path.exists(run), f"{run} was created"
@@ -655,9 +661,9 @@ def test_good_recipe_passes_every_command(tmp_path):
         trainer={"+": {"seed": 0, "extra_args": {"scale_rewards": False, "lr_scheduler_type": "cosine"}}},
     )
     write_recipe(tmp_path / "recipe.yaml", recipe)
-    result = cli("validate", "recipe.yaml", "--gpus", "0", cwd=tmp_path)
+    result = cli_here("validate", "recipe.yaml", "--gpus", "0", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    result = cli("train", "recipe.yaml", "--dry-run", "--gpus", "0", "--run-dir", "RUN", cwd=tmp_path)
+    result = cli_here("train", "recipe.yaml", "--dry-run", "--gpus", "0", "--run-dir", "RUN", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert not (tmp_path / "RUN").exists()
 

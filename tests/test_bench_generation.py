@@ -521,6 +521,7 @@ def test_launch_env_is_what_launch_sh_exports(tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_sitecustomize_patches_the_engine_only_in_a_probed_worker():
     """benchmarks/generation_probe on PYTHONPATH: a process whose command line names colocate_rl.worker, with
     COLOCATE_BENCH_PROBE=1, gets the engine patched on import; any other process gets no import hook."""

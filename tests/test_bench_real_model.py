@@ -42,6 +42,7 @@ def commands(stdout: str) -> dict[str, tuple[dict, list[str], list[str]]]:
     return found
 
 
+@pytest.mark.slow
 def test_dry_run_prints_one_command_per_row_with_its_sets_gpu_and_share(tmp_path):
     out = tmp_path / "out"
     result = driver(
@@ -130,6 +131,7 @@ def test_vllm_share_follows_the_runs_per_gpu():
     assert B.vllm_share(4, 0.4, ["generation.vllm_gpu_memory_utilization=0.25"]) == (0.25, None)
 
 
+@pytest.mark.slow
 def test_a_share_given_by_set_is_not_overridden(tmp_path):
     result = driver(
         *("--out", tmp_path, "--model", "/m", "--data", "/d", "--per-gpu", "3", "--rows", "grpo-full-s0"),
@@ -161,6 +163,7 @@ def test_each_rows_sets_are_recipe_keys_with_the_intended_values(row, tmp_path):
         assert recipe.model.lora is None and recipe.trainer.learning_rate == 1.0e-5
 
 
+@pytest.mark.slow
 def test_timing_mode_runs_the_full_lora_pair_one_per_gpu(tmp_path):
     result = driver("--out", tmp_path, "--model", "/m", "--data", "/d", "--devices", "0,1", "--timing", "--dry-run")
     assert result.returncode == 0, result.stderr
@@ -175,6 +178,7 @@ def test_timing_mode_runs_the_full_lora_pair_one_per_gpu(tmp_path):
     assert bad.returncode == 2 and "one run per GPU" in bad.stderr
 
 
+@pytest.mark.slow
 def test_rows_are_picked_by_name_or_pattern(tmp_path):
     picked = driver("--out", tmp_path, "--model", "/m", "--data", "/d", "--rows", "rloo-*,grpo-lora-s1", "--dry-run")
     assert picked.returncode == 0, picked.stderr
@@ -509,6 +513,7 @@ def fake_train(monkeypatch, outcomes):
     monkeypatch.setattr(B, "command", command)
 
 
+@pytest.mark.slow
 def test_a_failing_row_is_recorded_and_the_driver_goes_on(tmp_path, monkeypatch):
     model, data, out = tmp_path / "model", tmp_path / "data", tmp_path / "out"
     model.mkdir(), data.mkdir()

@@ -25,6 +25,7 @@ def _weights(path):
     return out
 
 
+@pytest.mark.slow
 def test_import_is_light():
     code = (
         "import sys, colocate_rl.builtin_model; print(sorted({'torch','transformers','tokenizers'} & set(sys.modules)))"
@@ -164,6 +165,7 @@ def test_refuses_foreign_dir(tmp_path):
     assert (tmp_path / "m" / "keep.txt").read_text() == "x"
 
 
+@pytest.mark.slow
 def test_subprocess_build_leaves_torch_out_of_the_caller(tmp_path, tiny):
     # The launcher supervises the whole run: a build in its own process would keep the CUDA context and torch's
     # cached blocks (the whole model) on GPU 0 until the run ends. Built in a child, the caller never loads torch,
@@ -179,6 +181,7 @@ def test_subprocess_build_leaves_torch_out_of_the_caller(tmp_path, tiny):
     assert all((_weights(tmp_path / "m")[k] == v).all() for k, v in _weights(tiny).items())
 
 
+@pytest.mark.slow
 def test_subprocess_build_reports_the_childs_user_error(tmp_path):
     with pytest.raises(UserError, match=r"^model.name: unknown built-in layout 'x'; choose one of: builtin:tiny"):
         bm.build_model_in_subprocess("x", tmp_path / "m")

@@ -12,6 +12,8 @@ from conftest import CPU, ROOT, assert_user_error, cli, resolved
 from colocate_rl.plan.host import Gpu, Host, assumed_host
 from colocate_rl.recipe.shipped import shipped_recipes
 
+pytestmark = pytest.mark.slow  # every test starts the CLI as a process
+
 
 def test_help_is_light():
     result = cli("--help")
@@ -111,7 +113,7 @@ def test_recipes_lists_and_copies(tmp_path):
         assert script in listing.stdout
     script = cli("recipes", "slurm.sbatch", "--out", "job.sbatch", cwd=tmp_path)
     assert script.returncode == 0, script.stderr
-    assert (tmp_path / "job.sbatch").read_text() == (ROOT / "examples" / "slurm.sbatch").read_text()
+    assert (tmp_path / "job.sbatch").read_text() == (ROOT / "scripts" / "slurm.sbatch").read_text()
     assert (tmp_path / "job.sbatch").stat().st_mode & 0o100
 
 

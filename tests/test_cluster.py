@@ -1,5 +1,6 @@
 """Several nodes: Slurm detection, precedence, run-dir layout, recipe hash check, cluster scripts, and two
-simulated nodes (two `colocate-rl train` processes) training together on one machine."""
+simulated nodes (two `colocate-rl train` processes) refusing to train from different recipes. Two nodes training,
+stopping and resuming together: test_long_runs.py::test_two_nodes_train_stop_together_and_resume."""
 
 import json
 import os
@@ -195,6 +196,7 @@ def test_tensor_parallel_groups_never_span_nodes(tp, ok):
         ]
 
 
+@pytest.mark.slow
 def test_cli_node_errors_name_their_source(tmp_path):
     assert_user_error(
         cli(
@@ -379,7 +381,7 @@ done
 
 
 def test_slurm_script_literal_sbatch_header():
-    lines = (ROOT / "examples/slurm.sbatch").read_text().splitlines()
+    lines = (ROOT / "scripts/slurm.sbatch").read_text().splitlines()
     sbatch = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
     assert sbatch and all("$" not in lines[i] and "`" not in lines[i] for i in sbatch)
     # sbatch stops reading #SBATCH at the first command: only comments and blank lines before the last one
@@ -387,6 +389,7 @@ def test_slurm_script_literal_sbatch_header():
     assert "#SBATCH --ntasks-per-node=1" in lines
 
 
+@pytest.mark.slow
 def test_slurm_script_dry_run_prints_each_node_command(tmp_path):
     log = tmp_path / "srun-options"
     write_fake_srun(tmp_path / "bin", log)
@@ -399,7 +402,7 @@ def test_slurm_script_dry_run_prints_each_node_command(tmp_path):
         SLURM_CPUS_PER_TASK="4",
     )
     result = subprocess.run(
-        ["bash", str(ROOT / "examples/slurm.sbatch"), "quickstart", "--set", "trainer.max_steps=3"],
+        ["bash", str(ROOT / "scripts/slurm.sbatch"), "quickstart", "--set", "trainer.max_steps=3"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -430,6 +433,7 @@ def test_slurm_script_dry_run_prints_each_node_command(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_slurm_script_requeues_after_a_stop_and_resumes_when_started_again(tmp_path):
     """Slurm's pre-timeout SIGTERM reaches the script: it passes it to srun (here a stand-in whose task exits 143, as
     `train` does after its ranks saved a checkpoint) and requeues the job; started again with the same job id and a
@@ -447,7 +451,7 @@ def test_slurm_script_requeues_after_a_stop_and_resumes_when_started_again(tmp_p
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     env = script_env(PATH=f"{bin_dir}:{VENV_BIN}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_NNODES="2")
-    script = str(ROOT / "examples/slurm.sbatch")
+    script = str(ROOT / "scripts/slurm.sbatch")
     proc = subprocess.Popen(["bash", script, "quickstart"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
     hang_guard = time.monotonic() + 60  # not a speed check: only ends a hung test
     while not (tmp_path / "started").exists():
@@ -474,9 +478,10 @@ def test_slurm_script_requeues_after_a_stop_and_resumes_when_started_again(tmp_p
     )
 
 
+@pytest.mark.slow
 def test_slurm_script_outside_slurm_fails_clearly(tmp_path):
     result = subprocess.run(
-        ["bash", str(ROOT / "examples/slurm.sbatch"), "recipes/quickstart.yaml"],
+        ["bash", str(ROOT / "scripts/slurm.sbatch"), "recipes/quickstart.yaml"],
         cwd=tmp_path,
         env=script_env(),
         capture_output=True,
@@ -486,9 +491,10 @@ def test_slurm_script_outside_slurm_fails_clearly(tmp_path):
     assert result.returncode == 2 and result.stderr.startswith("error: SLURM_JOB_ID: not inside a Slurm job")
 
 
+@pytest.mark.slow
 def test_multinode_script_dry_run_commands_agree(tmp_path):
     env = script_env(MASTER_ADDR="10.0.0.1", NNODES="2", RDZV_ID="job9")
-    script = str(ROOT / "examples/multinode.sh")
+    script = str(ROOT / "scripts/multinode.sh")
     result = subprocess.run(
         ["bash", script, "recipes/quickstart.yaml", "--set", "trainer.max_steps=3", "--dry-run"],
         cwd=ROOT,
@@ -530,10 +536,11 @@ def test_multinode_script_dry_run_commands_agree(tmp_path):
     assert missing.returncode == 2 and missing.stderr.startswith("error: NODE_RANK: not set")
 
 
+@pytest.mark.slow
 def test_single_node_script_ignores_slurm(tmp_path):
     env = script_env(DRY_RUN="1", **SLURM)
     result = subprocess.run(
-        ["bash", str(ROOT / "examples/single-node.sh"), "recipes/quickstart.yaml"],
+        ["bash", str(ROOT / "scripts/single-node.sh"), "recipes/quickstart.yaml"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -596,39 +603,6 @@ def start_nodes(run_dirs, per_node_sets, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_nodes_train_together_into_one_run_dir(tmp_path):
-    run = tmp_path / "run"
-    start = time.perf_counter()
-    (code0, out0), (code1, out1) = start_nodes([run, run], [[], []], tmp_path)
-    elapsed = time.perf_counter() - start
-    logs = "".join(
-        (run / f"nodes/{k}/train.log").read_text()[-3000:] for k in (0, 1) if (run / f"nodes/{k}/train.log").exists()
-    )
-    assert (code0, code1) == (0, 0), out0 + out1 + logs
-    # one set of shared outputs, written by global rank 0
-    assert json.loads((run / "DONE").read_text()) == {"global_step": 3, "world_size": 2}
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "reward" in r] == [1, 2, 3]
-    assert (run / "final" / "config.json").is_file()
-    # per-node files under nodes/<k>/; nothing node-specific at the top
-    for k in (0, 1):
-        assert (run / f"nodes/{k}/train.log").is_file() and (run / f"nodes/{k}/launch.sh").is_file()
-        rank_logs = list((run / f"nodes/{k}/ranks").glob("*/attempt_0/0/stderr.log"))
-        assert len(rank_logs) == 1 and "[default0]:" in (run / f"nodes/{k}/train.log").read_text()
-    assert not (run / "train.log").exists() and not (run / "launch.sh").exists()
-    assert "node_rank" not in yaml.safe_load((run / "recipe.yaml").read_text())["distributed"]
-    assert "node         0 of 2" in out0 and "node         1 of 2" in out1
-    hash0 = out0.split("recipe hash  ")[1].split()[0]
-    assert (
-        hash0
-        == out1.split("recipe hash  ")[1].split()[0]
-        == json.loads((run / "launch.json").read_text())["recipe_hash"]
-    )
-    assert "step 3/3" in out0 and "reward first → last" in out0
-    print(f"two nodes, 3 steps: {elapsed:.1f} s")
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("shared", [False, True], ids=["own-run-dirs", "shared-run-dir"])
 def test_node_with_another_recipe_fails_fast_on_every_node(tmp_path, shared):
     runs = [tmp_path / "run"] * 2 if shared else [tmp_path / "run0", tmp_path / "run1"]
@@ -649,55 +623,3 @@ def test_node_with_another_recipe_fails_fast_on_every_node(tmp_path, shared):
     for run in set(runs):  # fast: both nodes stopped before their first step, however slow the machine
         assert not (run / "metrics.jsonl").exists() and not (run / "DONE").exists()
     print(f"mismatch ({'shared' if shared else 'own'} run dir) stopped both nodes in {elapsed:.1f} s")
-
-
-def node_args(node: int, port: int, *rest: str) -> list[str]:
-    return [
-        sys.executable, "-m", "colocate_rl", "train", *rest, "--nnodes", "2", "--node-rank", str(node),
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}",
-    ]  # fmt: skip
-
-
-@pytest.mark.slow
-def test_a_sigterm_to_one_node_stops_both_with_a_checkpoint_and_both_resume(tmp_path):
-    """Two nodes share a run dir: SIGTERM to node 0 alone writes the stop request every rank sees; both nodes save
-    and exit 143; `train --resume RUN_DIR` on both nodes continues to max_steps, each step recorded once."""
-    from colocate_rl.rundir import step_records
-
-    run, port = tmp_path / "run", free_port()
-    sets = ["--set", "distributed.nproc_per_node=1", "--set", "trainer.max_steps=30"]
-    procs = [
-        subprocess.Popen(
-            node_args(k, port, "recipes/quickstart.yaml", *sets, "--run-dir", str(run)),
-            cwd=ROOT,
-            env=env_of(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for k in (0, 1)
-    ]
-    guard = time.monotonic() + 600  # not a speed check: only ends a hung test
-    while len(step_records(run)) < 2:
-        assert all(p.poll() is None for p in procs) and time.monotonic() < guard, "no step logged"
-        time.sleep(0.2)
-    procs[0].send_signal(signal.SIGTERM)
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [143, 143], "\n".join(outs)
-    assert "stopped (SIGTERM) at step" in outs[0] and "by another node's stop request" in outs[1]
-    port = free_port()
-    resumed = [
-        subprocess.Popen(
-            node_args(k, port, "--resume", str(run)),
-            cwd=ROOT,
-            env=env_of(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for k in (0, 1)
-    ]
-    outs = [p.communicate(timeout=600)[0] for p in resumed]
-    assert [p.returncode for p in resumed] == [0, 0], "\n".join(outs)
-    assert [r["step"] for r in step_records(run)] == list(range(1, 31))
-    assert (run / "DONE").is_file()

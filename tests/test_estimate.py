@@ -155,6 +155,7 @@ def test_unknown_hub_id_offline_says_to_pass_a_local_path(monkeypatch):
     assert len(e.value.lines) == 1 and "give a local model directory" in e.value.lines[0]
 
 
+@pytest.mark.slow
 def test_import_is_light():
     code = (
         "import sys, colocate_rl.memory.recommend; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
@@ -652,6 +653,7 @@ def count(prompts, completions, **kwargs):
 """
 
 
+@pytest.mark.slow  # the CLI in a subprocess
 def test_estimate_reads_the_recipes_files_and_runs_its_reward_code_once(tmp_path):
     """`mem-probe --estimate` resolves the recipe and every change it tries over one pre-flight: the reward file is
     imported once and called once, however many variants are planned."""
@@ -671,6 +673,7 @@ def test_estimate_reads_the_recipes_files_and_runs_its_reward_code_once(tmp_path
     assert (tmp_path / "counts.txt").read_text().split() == ["import", "call"]
 
 
+@pytest.mark.slow
 def test_cli_table_json_and_write(tmp_path, qwen05_file):
     shown = cli("mem-probe", qwen05_file, "--estimate", "--gpus", "1", "--gpu-memory", "80")
     assert shown.returncode == 0, shown.stderr
@@ -751,6 +754,7 @@ def test_cli_table_json_and_write(tmp_path, qwen05_file):
         ),
     ],
 )
+@pytest.mark.slow
 def test_cli_errors(args, fragment, qwen05_file):
     # no GPU visible to it; offline, as CI is (a hub id outside the shipped table would be fetched)
     result = cli("mem-probe", *(qwen05_file if a == "RECIPE" else a for a in args), env={"HF_HUB_OFFLINE": "1"})

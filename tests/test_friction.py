@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import assert_user_error, cli, write_recipe
+from conftest import assert_user_error, cli_here, write_recipe
 
 from colocate_rl.errors import UserError
 from colocate_rl.pipeline import load_resolved, plan_run
@@ -282,7 +282,7 @@ def test_cli_dry_run_from_another_directory(project):
             "output": {"run_dir": "runs/one"},
         },
     )
-    result = cli(
+    result = cli_here(
         "train",
         "../configs/r.yaml",
         "--dry-run",
@@ -305,8 +305,8 @@ def test_cli_names_the_path_to_write(project):
     configs, work = project
     (work / "train.jsonl").write_text('{"prompt": "a"}\n')
     write_recipe(configs / "r.yaml", {"data": {"source": "train.jsonl"}, "rewards": [{"name": "digit_share"}]})
-    result = cli("validate", "../configs/r.yaml", "--gpus", "0", "--set", "data.system_prompt=# heading", cwd=work)
+    result = cli_here("validate", "../configs/r.yaml", "--gpus", "0", "--set", "data.system_prompt=# heading", cwd=work)
     assert_user_error(result, "data.source: 'train.jsonl'", "write '../work/train.jsonl'", one_line=True)
     # the same file given with --set starts from here: fine
-    result = cli("validate", "../configs/r.yaml", "--gpus", "0", "--set", "data.source=train.jsonl", cwd=work)
+    result = cli_here("validate", "../configs/r.yaml", "--gpus", "0", "--set", "data.source=train.jsonl", cwd=work)
     assert result.returncode == 0, result.stderr

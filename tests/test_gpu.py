@@ -33,7 +33,12 @@ def _cuda_count() -> int:
 
 GPUS = _cuda_count()
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0 or not HAS_VLLM, reason="needs CUDA GPUs and vLLM")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.timeout(3600),  # real runs on the GPUs, up to 500 steps
+    pytest.mark.skipif(GPUS == 0 or not HAS_VLLM, reason="needs CUDA GPUs and vLLM"),
+]
 STEPS = 10
 
 
@@ -505,7 +510,7 @@ def test_stop_and_resume_with_the_colocated_engine(tmp_path, recipe, visible, se
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_two_gpus_as_two_nodes_stop_together_and_resume(tmp_path):
-    """Two nodes of one GPU each through examples/multinode.sh (c10d on localhost, NCCL, one shared run dir):
+    """Two nodes of one GPU each through scripts/multinode.sh (c10d on localhost, NCCL, one shared run dir):
     SIGTERM to node 1 alone stops both with one checkpoint; resuming on both nodes reaches max_steps, every step
     once, the weight check on every resumed step."""
     import signal
@@ -531,7 +536,7 @@ def test_two_gpus_as_two_nodes_stop_together_and_resume(tmp_path):
             "COLOCATE_RL": f"{sys.executable} -m colocate_rl",
         }
         return subprocess.Popen(
-            ["bash", "examples/multinode.sh", *args],
+            ["bash", "scripts/multinode.sh", *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

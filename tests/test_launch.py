@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from colocate_rl.cli.progress import run_with_progress, step_line
@@ -16,6 +17,7 @@ from colocate_rl.plan.launch_plan import LaunchPlan
 from colocate_rl.recipe.load import dump_recipe, parse_recipe
 from colocate_rl.rundir import LOG, summarize
 
+pytestmark = pytest.mark.slow  # every test starts a process standing in for torchrun
 RECIPE = dump_recipe(parse_recipe({"rewards": [{"name": "digit_share"}]}))
 
 

@@ -5,7 +5,9 @@ The fast tests at the top use stand-in processes instead of torchrun."""
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import NO_GPU, ROOT, assert_user_error, clean_env, cli
+import yaml
+from conftest import NO_GPU, ROOT, assert_user_error, clean_env, cli, cli_here
 
 from colocate_rl.launch.execute import RunResult, exit_code, run
 from colocate_rl.launch.supervise import run_supervised
@@ -45,6 +48,12 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < guard, "the run logged no steps"
         time.sleep(0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -84,6 +93,7 @@ def test_only_complete_checkpoints_count(tmp_path):
     assert [p.name for p in paths.complete_checkpoints()] == ["checkpoint-2", "checkpoint-10"]
 
 
+@pytest.mark.slow
 def test_a_log_that_cannot_be_written_stops_the_job_in_one_line(tmp_path):
     """A full disk (here /dev/full, where every write fails with ENOSPC): the output is still drained, so the child
     never blocks on the pipe, and the job is ended with one line naming the log."""
@@ -116,6 +126,7 @@ def test_the_watchdog_names_the_rank_that_stopped_progressing(tmp_path):
     assert first.check().startswith("rank 2 did not end its first step for 10.0 min")
 
 
+@pytest.mark.slow
 def test_the_launcher_reports_errors_the_ranks_report(tmp_path):
     plan = LaunchPlan(run_dir=tmp_path, argv=[sys.executable, "-c", "import sys; sys.exit(5)"], env={}, files={})
     events.emit(tmp_path, events.USER_ERROR, lines=["rewards[0].name digit_share: returned nan for a completion"])
@@ -156,9 +167,9 @@ def test_sigterm_saves_a_checkpoint_and_resume_reaches_max_steps(tmp_path):
     assert RunDir(run_dir).done.exists() and (RunDir(run_dir).final / "config.json").is_file()
     [event] = events.read_events(run_dir, events.RESUMED)
     assert event["step"] == stopped["step"]
-    report = cli("report", run_dir, "--out", tmp_path / "report", timeout=HANG_GUARD_S)
+    report = cli_here("report", run_dir, "--out", tmp_path / "report")
     assert report.returncode == 0, report.stderr
-    assert_user_error(cli("train", "--resume", run_dir), "the run already finished")
+    assert_user_error(cli_here("train", "--resume", run_dir), "the run already finished")
     again = subprocess.run(["bash", str(run_dir / "launch.sh")], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert again.returncode != 0 and "the run already finished" in again.stdout + again.stderr
     assert [r["step"] for r in step_records(run_dir)] == list(range(1, 9))  # nothing was appended
@@ -227,10 +238,11 @@ def test_a_nan_reward_stops_the_run(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 600 KiB tmpfs (root only; skipped where mounting is not allowed)."""
+    """A 200 KiB tmpfs (root only; skipped where mounting is not allowed): the run dir's files before launch take
+    12 KiB, the logs of a CPU run then grow ~35 KiB/s."""
     mount = tmp_path / "small"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount)], capture_output=True)
     if made.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode(errors='replace').strip()}")
     yield mount
@@ -255,18 +267,14 @@ def test_a_full_disk_stops_the_job_with_one_line(small_disk):
 
 
 @pytest.mark.slow
-def test_two_nodes_stop_together_and_resume(tmp_path):
-    """Two nodes on this machine through examples/multinode.sh (one rank each, c10d on localhost, one shared run
-    dir): SIGTERM to node 1 alone stops both with the same checkpoint; resuming on both nodes reaches max_steps with
-    every step once."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_two_nodes_train_stop_together_and_resume(tmp_path):
+    """Two nodes on this machine through scripts/multinode.sh (one rank each, c10d on localhost, one shared run
+    dir): they train into one run dir (the shared files once, each node's under nodes/<k>/, the same recipe hash);
+    SIGTERM to node 1 alone stops both with the same checkpoint; resuming on both nodes reaches max_steps with every
+    step once. (GPU twin: test_gpu.py::test_two_gpus_as_two_nodes_stop_together_and_resume.)"""
     run_dir = tmp_path / "run"
 
-    def node(rank: int, *args: str) -> subprocess.Popen:
+    def node(rank: int, port: int, *args: str) -> subprocess.Popen:
         env = clean_env(
             **NO_GPU,
             MASTER_ADDR="127.0.0.1",
@@ -276,7 +284,7 @@ def test_two_nodes_stop_together_and_resume(tmp_path):
             COLOCATE_RL=f"{sys.executable} -m colocate_rl",
         )
         return subprocess.Popen(
-            ["bash", "examples/multinode.sh", *args],
+            ["bash", "scripts/multinode.sh", *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -285,7 +293,8 @@ def test_two_nodes_stop_together_and_resume(tmp_path):
         )
 
     sets = (*DDP, "--set", "distributed.nproc_per_node=1", "--set", "trainer.max_steps=8")
-    nodes = [node(k, "quickstart", "--run-dir", str(run_dir), *sets) for k in (0, 1)]
+    port = free_port()
+    nodes = [node(k, port, "quickstart", "--run-dir", str(run_dir), *sets) for k in (0, 1)]
     wait_for_steps(nodes[0], run_dir, 2)
     nodes[1].send_signal(signal.SIGTERM)
     outs = [p.communicate(timeout=HANG_GUARD_S)[0] for p in nodes]
@@ -293,9 +302,23 @@ def test_two_nodes_stop_together_and_resume(tmp_path):
     [stopped] = events.read_events(run_dir, events.STOPPED)
     assert RunDir(run_dir).complete_checkpoints()[-1].name == f"checkpoint-{stopped['step']}"
     assert all(f"resume with: colocate-rl train --resume {run_dir}" in out for out in outs), outs
+    assert "stopped (SIGTERM) at step" in outs[1] and "by another node's stop request" in outs[0], outs
+    # one run dir: the shared files once (written by global rank 0), each node's own under nodes/<k>/
+    assert all(re.search(rf"node\s+{k} of 2", outs[k]) for k in (0, 1)), outs
+    hashes = {re.search(r"recipe hash\s+(\w+)", out).group(1) for out in outs}
+    assert hashes == {json.loads((run_dir / "launch.json").read_text())["recipe_hash"]}, outs
+    for k in (0, 1):
+        assert (run_dir / f"nodes/{k}/train.log").is_file() and (run_dir / f"nodes/{k}/launch.sh").is_file()
+        assert len(list((run_dir / f"nodes/{k}/ranks").glob("*/attempt_0/0/stderr.log"))) == 1
+        assert "[default0]:" in (run_dir / f"nodes/{k}/train.log").read_text()
+    assert not (run_dir / "train.log").exists() and not (run_dir / "launch.sh").exists()
+    assert "node_rank" not in yaml.safe_load((run_dir / "recipe.yaml").read_text())["distributed"]
 
-    resumed = [node(k, "--resume", str(run_dir)) for k in (0, 1)]
+    port = free_port()  # a new rendezvous, as a new job would use
+    resumed = [node(k, port, "--resume", str(run_dir)) for k in (0, 1)]
     outs = [p.communicate(timeout=HANG_GUARD_S)[0] for p in resumed]
     assert [p.returncode for p in resumed] == [0, 0], outs
     assert [r["step"] for r in step_records(run_dir)] == list(range(1, 9))
-    assert RunDir(run_dir).done.exists()
+    assert json.loads(RunDir(run_dir).done.read_text()) == {"global_step": 8, "world_size": 2}
+    assert (RunDir(run_dir).final / "config.json").is_file()
+    assert "step 8/8" in outs[0] and "reward first → last" in outs[0], outs[0]

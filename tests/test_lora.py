@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_user_error, cli, write_recipe
+from conftest import assert_user_error, cli_here, write_recipe
 from peft import get_peft_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -282,7 +282,7 @@ def test_validate_refuses_a_target_typo(tmp_path):
     recipe = write_recipe(
         tmp_path / "r.yaml", {**RECIPE, "model": {"name": "builtin:tiny", "lora": {"target_modules": ["q_prj"]}}}
     )
-    result = cli("validate", recipe, "--gpus", "0", cwd=tmp_path)
+    result = cli_here("validate", recipe, "--gpus", "0", cwd=tmp_path)
     assert_user_error(result, one_line=True)
     assert result.stderr.strip() == f"error: {TYPO}"
 

@@ -174,6 +174,7 @@ def test_the_measuring_probe_pins_the_size():
     assert plan.pinned["trainer.micro_batch_size"] == 64
 
 
+@pytest.mark.slow
 def test_the_same_step_in_smaller_micro_batches_gives_the_same_gradient(tmp_path):
     """Real torchrun, real TRL (2 CPU ranks, the quickstart recipe, 2 steps): micro-batches of 2 × 4 instead of 8 × 1
     per rank generate the same completions (same seeds) and, with TRL's default loss (dapo: normalized by the step's

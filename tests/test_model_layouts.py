@@ -318,6 +318,7 @@ def test_hub_id_without_a_connection_is_one_line_at_once(monkeypatch):
     assert time.monotonic() - start < 10 and len(e.value.lines) == 1
 
 
+@pytest.mark.slow
 def test_hub_config_from_the_cache_plans_the_model(tmp_path):
     """A hub id outside the shipped table, its config.json in the Hugging Face cache and the hub offline:
     `mem-probe --estimate` reads it through AutoConfig (transformers fills in the defaults) and plans the model."""
@@ -334,6 +335,7 @@ def test_hub_config_from_the_cache_plans_the_model(tmp_path):
     assert model["params"] == 1_235_814_400 and model["layout"]["head_dim"] == 64
 
 
+@pytest.mark.slow
 def test_gguf_file_as_model_gets_the_conversion_hint(tmp_path):
     gguf = tmp_path / "model-Q4_K_M.gguf"
     gguf.write_bytes(b"GGUF")

@@ -346,6 +346,7 @@ def test_the_probes_settings_come_after_the_users():
     }
 
 
+@pytest.mark.slow
 def test_a_trial_past_its_timeout_is_ended_with_every_process_it_started(tmp_path):
     # the stand-in starts a grandchild in its own session (as vLLM's engine processes may be), records its pid,
     # and never finishes
@@ -357,6 +358,7 @@ def test_a_trial_past_its_timeout_is_ended_with_every_process_it_started(tmp_pat
     assert "starting" in (plan.run_dir / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_failing_trial_is_classified_from_its_log(tmp_path):
     plan = stand_in(tmp_path, "echo '[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate'\nexit 1\n")
     result = P.run_trial(plan, 0.8, 3, timeout_s=30)
@@ -391,6 +393,7 @@ def test_one_real_trial_of_the_quickstart_on_cpu(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------------- CLI, script
 
 
+@pytest.mark.slow
 def test_measuring_without_a_gpu_says_so_in_one_line():
     result = cli("mem-probe", "gpu-0.5b-layout", "--write", "never.yaml")  # no GPU visible to it
     assert_user_error(
@@ -416,6 +419,7 @@ def test_write_recipe_replaces_the_file_whole(tmp_path):
         write_recipe_copy(tmp_path / "missing" / "out.yaml", source, {}, "x")
 
 
+@pytest.mark.slow
 def test_bench_script_dry_run_prints_the_commands(tmp_path):
     result = subprocess.run(
         [

@@ -102,6 +102,7 @@ def test_trls_own_push_options_point_at_output_push_to_hub():
 # ---------------------------------------------------------------------------------------------- the token
 
 
+@pytest.mark.slow
 def test_no_token_is_one_line_before_anything_is_written(tmp_path):
     """HF_TOKEN unset and HF_HOME an empty directory (no cached login): validate, train --dry-run (the real run would
     fail) and train each stop with the same line, exit 2, and create no run directory."""
@@ -180,6 +181,7 @@ app(sys.argv[1:], prog_name="colocate-rl")
 """
 
 
+@pytest.mark.slow
 def test_a_failed_push_keeps_the_run_and_ends_with_one_line_and_exit_1(tmp_path):
     """HF_ENDPOINT is a closed local port and the token a fake: the run finishes, final/ and DONE stay, `train`
     ends with one line saying how to retry and exits 1. The ranks run offline (a built-in model), the launcher's
@@ -324,11 +326,12 @@ def test_no_final_model_is_a_failed_push_without_contacting_the_hub(tmp_path, mo
 
 @pytest.mark.slow
 def test_a_real_run_trains_saves_and_reports_the_failed_push(tmp_path):
-    """quickstart through real torchrun on CPU for 2 steps, pushing to an unreachable endpoint: the model is trained
-    and saved, the run counts, `train` exits 1 with the retry line."""
+    """quickstart through real torchrun on CPU for 2 steps (plain DDP, which starts faster than ZeRO-3), pushing to an
+    unreachable endpoint: the model is trained and saved, the run counts, `train` exits 1 with the retry line."""
     run_dir = tmp_path / "run"
     env = hub_env(tmp_path, HF_TOKEN=TOKEN, HF_ENDPOINT=CLOSED_PORT)
     sets = ["--set", "output.push_to_hub=me/model", "--set", "trainer.max_steps=2"]
+    sets += ["--set", "distributed.deepspeed=null", "--set", "distributed.deepspeed_overrides={}"]
     result = run_cli(["train", "quickstart", *sets, "--run-dir", str(run_dir)], env)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     final = run_dir / "final"

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_user_error, cli
+from conftest import assert_user_error, cli_here
 from rich.console import Console
 
 from colocate_rl.errors import UserError
@@ -119,7 +119,7 @@ def make_old_run(path: Path) -> Path:
 
 
 def report(*args):
-    return cli("report", *args)
+    return cli_here("report", *args)
 
 
 def rendered(tables) -> str:
@@ -295,6 +295,7 @@ def test_errors(tmp_path):
         rep.load_run(tmp_path / "empty")
 
 
+@pytest.mark.slow
 def test_cli_import_stays_light():
     probe = subprocess.run(
         [

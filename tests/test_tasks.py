@@ -58,6 +58,7 @@ def as_messages(texts):
 # ---------------------------------------------------------------------------------------------- datasets
 
 
+@pytest.mark.slow
 def test_import_is_instant():
     code = "import sys, colocate_rl.prompts, colocate_rl.rewards, colocate_rl.data_check; assert not {'datasets', 'torch', 'trl'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))

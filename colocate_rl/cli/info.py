@@ -21,23 +21,23 @@ def recipes(
 ) -> None:
     """List the shipped recipes and cluster launch scripts, or copy one out to edit: `colocate-rl recipes
     quickstart`, `colocate-rl recipes slurm.sbatch`."""
-    from colocate_rl.recipe.shipped import recipe_summary, shipped_examples, shipped_recipes
+    from colocate_rl.recipe.shipped import recipe_summary, shipped_recipes, shipped_scripts
 
-    shipped, examples = shipped_recipes(), shipped_examples()
+    shipped, scripts = shipped_recipes(), shipped_scripts()
     if name is None:
         table = Table("name", "what it runs")
         for key, path in shipped.items():
             table.add_row(key, recipe_summary(path))
         console.print(table)
-        scripts = Table("launch script", "what it does")
-        for key, path in examples.items():
-            scripts.add_row(key, recipe_summary(path))
-        console.print(scripts)
+        table = Table("launch script", "what it does")
+        for key, path in scripts.items():
+            table.add_row(key, recipe_summary(path))
+        console.print(table)
         console.print("copy one out to edit: colocate-rl recipes NAME [--out FILE]")
         return
-    if name not in shipped and name not in examples:
+    if name not in shipped and name not in scripts:
         raise UserError(
-            f"{name}: no shipped recipe or launch script of that name; shipped: {', '.join([*shipped, *examples])}"
+            f"{name}: no shipped recipe or launch script of that name; shipped: {', '.join([*shipped, *scripts])}"
         )
     target = out or Path(f"{name}.yaml" if name in shipped else name)
     if target.exists():
@@ -46,7 +46,7 @@ def recipes(
         shutil.copyfile(shipped[name], target)
         console.print(f"wrote {target}; run it with: colocate-rl train {target}")
     else:
-        shutil.copyfile(examples[name], target)
+        shutil.copyfile(scripts[name], target)
         target.chmod(0o755)
         console.print(f"wrote {target}; its header says how to run it")
 

@@ -108,7 +108,7 @@ def slurm_settings(env: Mapping[str, str]) -> list[Setting]:
         raise UserError(
             f"{tasks_var}: srun started {env[tasks_var]} tasks on {nnodes} nodes, but colocate-rl needs "
             "one task per node (torchrun starts the ranks); use srun --ntasks-per-node=1 "
-            "(see examples/slurm.sbatch)"
+            "(see scripts/slurm.sbatch)"
         )
     try:
         hosts = expand_hostlist(env[list_var])
@@ -137,6 +137,6 @@ def slurm_note(env: Mapping[str, str], nnodes: int = 1, nnodes_source: str = "de
     if "SLURM_JOB_ID" in env and not in_slurm_step(env) and nodes.isdigit() and int(nodes) > 1:
         return (
             f"inside Slurm job {env['SLURM_JOB_ID']} of {nodes} nodes but not under srun: this node trains alone; "
-            "start it as `srun --ntasks-per-node=1 colocate-rl train ...` (examples/slurm.sbatch) to use all nodes"
+            "start it as `srun --ntasks-per-node=1 colocate-rl train ...` (scripts/slurm.sbatch) to use all nodes"
         )
     return None

@@ -1,6 +1,6 @@
-"""Files shipped with colocate-rl: recipes, DeepSpeed configs and example launch scripts.
+"""Files shipped with colocate-rl: recipes, DeepSpeed configs and the cluster launch scripts.
 
-In a source checkout they live at the repository root (`recipes/`, `deepspeed_configs/`, `examples/`); an
+In a source checkout they live at the repository root (`recipes/`, `deepspeed_configs/`, `scripts/`); an
 installed wheel carries them inside the package (`colocate_rl/_shipped/`).
 """
 
@@ -12,7 +12,7 @@ _PACKAGE = Path(__file__).resolve().parent.parent  # colocate_rl/
 
 
 def shipped_dir(kind: str) -> Path:
-    """`kind` is `recipes`, `deepspeed_configs` or `examples`."""
+    """`kind` is `recipes`, `deepspeed_configs` or `scripts`."""
     for candidate in (_PACKAGE / "_shipped" / kind, _PACKAGE.parent / kind):
         if candidate.is_dir():
             return candidate
@@ -29,9 +29,9 @@ def shipped_deepspeed_configs() -> dict[str, Path]:
     return {p.stem: p for p in sorted(shipped_dir("deepspeed_configs").glob("*.json"))}
 
 
-def shipped_examples() -> dict[str, Path]:
+def shipped_scripts() -> dict[str, Path]:
     """Launch scripts for clusters (Slurm, several nodes by hand, one node): file name → path."""
-    return {p.name: p for p in sorted(shipped_dir("examples").glob("*")) if p.is_file()}
+    return {p.name: p for p in sorted(shipped_dir("scripts").glob("*")) if p.is_file()}
 
 
 def recipe_summary(path: Path) -> str:

@@ -3,9 +3,9 @@
 # the same recipe, options and MASTER_ADDR everywhere; only NODE_RANK differs. Each node starts torchrun with
 # one rank per GPU; torchrun's c10d rendezvous on MASTER_ADDR:MASTER_PORT joins them.
 #
-#   MASTER_ADDR=10.0.0.1 NNODES=2 NODE_RANK=0 examples/multinode.sh RECIPE [train options]   # on 10.0.0.1
-#   MASTER_ADDR=10.0.0.1 NNODES=2 NODE_RANK=1 examples/multinode.sh RECIPE [train options]   # on the other node
-#   DRY_RUN=1 MASTER_ADDR=10.0.0.1 NNODES=2 examples/multinode.sh RECIPE   # or --dry-run: print every node's command
+#   MASTER_ADDR=10.0.0.1 NNODES=2 NODE_RANK=0 scripts/multinode.sh RECIPE [train options]   # on 10.0.0.1
+#   MASTER_ADDR=10.0.0.1 NNODES=2 NODE_RANK=1 scripts/multinode.sh RECIPE [train options]   # on the other node
+#   DRY_RUN=1 MASTER_ADDR=10.0.0.1 NNODES=2 scripts/multinode.sh RECIPE   # or --dry-run: print every node's command
 #
 # MASTER_ADDR   address of node 0, which hosts the rendezvous (required)
 # MASTER_PORT   rendezvous port, open between the nodes (default 29500)
@@ -21,7 +21,7 @@
 set -euo pipefail
 
 if [ "$#" -lt 1 ]; then
-  echo "error: RECIPE: missing; usage: MASTER_ADDR=HOST NNODES=N NODE_RANK=K examples/multinode.sh RECIPE [options]" >&2
+  echo "error: RECIPE: missing; usage: MASTER_ADDR=HOST NNODES=N NODE_RANK=K scripts/multinode.sh RECIPE [options]" >&2
   exit 2
 fi
 need_number() {  # need_number VAR HINT: VAR must be set to a whole number

@@ -2,16 +2,16 @@
 # colocate-rl on one machine: one rank per visible GPU (or 2 CPU ranks without a GPU), never joining other nodes
 # (it passes --nnodes 1, so a Slurm environment or the recipe's nnodes are ignored).
 #
-#   examples/single-node.sh RECIPE [train options]
-#   GPUS=0,1 examples/single-node.sh recipes/gpu-1.5b-layout-zero3.yaml   # only these GPUs
-#   DRY_RUN=1 examples/single-node.sh RECIPE   # or --dry-run: print the command and torchrun's, start nothing
+#   scripts/single-node.sh RECIPE [train options]
+#   GPUS=0,1 scripts/single-node.sh recipes/gpu-1.5b-layout-zero3.yaml   # only these GPUs
+#   DRY_RUN=1 scripts/single-node.sh RECIPE   # or --dry-run: print the command and torchrun's, start nothing
 #
 # Optional environment: GPUS (becomes CUDA_VISIBLE_DEVICES), VENV (a virtual environment to activate first),
 # COLOCATE_RL (the command, default colocate-rl).
 set -euo pipefail
 
 if [ "$#" -lt 1 ]; then
-  echo "error: RECIPE: missing; usage: examples/single-node.sh RECIPE [colocate-rl train options]" >&2
+  echo "error: RECIPE: missing; usage: scripts/single-node.sh RECIPE [colocate-rl train options]" >&2
   exit 2
 fi
 if [ -n "${VENV:-}" ]; then
