@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# colocate-rl on one machine: one rank per visible GPU (or 2 CPU ranks without a GPU), never joining other nodes
-# (it passes --nnodes 1, so a Slurm environment or the recipe's nnodes are ignored).
+# colocate-rl on one machine, never joining other nodes. One rank per visible GPU (or 2 CPU ranks without a GPU);
+# it passes --nnodes 1, so a Slurm environment or the recipe's nnodes are ignored.
 #
 #   scripts/single-node.sh RECIPE [train options]
 #   GPUS=0,1 scripts/single-node.sh recipes/gpu-1.5b-layout-zero3.yaml   # only these GPUs

@@ -243,10 +243,24 @@ def test_two_runs_compare(tmp_path, figures):
         "compare_step_breakdown.png",
         "compare_reward.png",
     ]
+    # overlaid: one panel per rank with both runs' memory (and step ends) in their colours; one reward plot; the
+    # step breakdown's bars of both runs side by side on one axis
     timeline = figures["compare_memory_timeline.png"]
-    assert len(timeline.axes) == 4 and timeline.axes[0].get_ylim() == timeline.axes[1].get_ylim()
-    bars = figures["compare_step_breakdown.png"].axes
-    assert [ax.get_title() for ax in bars] == ["sleep-on", "sleep-off"] and bars[0].get_ylim() == bars[1].get_ylim()
+    assert len(timeline.axes) == 2
+    memory = [line for line in timeline.axes[0].lines if line.get_linestyle() == "-"]
+    assert [line.get_color() for line in memory] == list(plots.RUN_COLORS)
+    assert min(memory[0].get_ydata()) == 21.0 and min(memory[1].get_ydata()) == 72.0  # sleep on vs off
+    assert not timeline.axes[0].collections  # no phase shading: two runs' phases would mix
+    (reward,) = figures["compare_reward.png"].axes
+    assert [line.get_label() for line in reward.lines] == [
+        "sleep-on: training (reward)",
+        "sleep-off: training (reward)",
+    ]
+    (bars,) = figures["compare_step_breakdown.png"].axes
+    first, second = (
+        sorted({round(p.get_x(), 2) for p in bars.patches if (p.get_hatch() or "") == h}) for h in ("", "//")
+    )
+    assert first == [0.6, 1.6, 2.6, 3.6, 4.6, 5.6] and second == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
 
 
 def test_cli_report_and_compare(tmp_path):

@@ -1,5 +1,6 @@
-"""What every verb of the command line shares: the app, the consoles, the option types, and `guarded`, the one
-exception boundary (known errors become one line each on stderr and exit 2, never a traceback)."""
+"""What every verb of the command line shares: the app (its `--version`, and help that names each value by its
+metavar), the consoles, the option types, and `guarded`, the one exception boundary (known errors become one line
+each on stderr and exit 2, never a traceback)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,45 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
 from colocate_rl.errors import UserError
 
-app = typer.Typer(
+
+def _metavar(param, ctx=None) -> str | None:
+    """What the help shows after a parameter's name: an option's metavar (its name in capitals when it has none,
+    nothing for a flag), nothing for an argument (its name is its metavar). Typer's own, `<bool>`, `<int range>`,
+    `<list[Path]>`, are Python's types, not what to type."""
+    if param.param_type_name != "option" or param.is_flag:
+        return None
+    return param.metavar or param.name.upper()
+
+
+class _ReadableHelp:
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            param.display_type_rich = functools.partial(_metavar, param)
+        return params
+
+
+class Command(_ReadableHelp, TyperCommand):
+    """A verb whose help names each value by its metavar."""
+
+
+class Group(_ReadableHelp, TyperGroup):
+    """The app's group, with the same help."""
+
+
+class App(typer.Typer):
+    """Typer whose commands are `Command`s."""
+
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or Command, **kwargs)
+
+
+app = App(
+    cls=Group,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -21,7 +57,25 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
-RecipeArg = Annotated[str, typer.Argument(help="Recipe file, or the name of a shipped recipe.")]
+
+def _print_version(value: bool) -> None:
+    if value:
+        import colocate_rl
+
+        console.print(f"colocate-rl {colocate_rl.__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    pass
+
+
+RecipeArg = Annotated[str, typer.Argument(metavar="RECIPE", help="Recipe file, or the name of a shipped recipe.")]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -42,7 +96,10 @@ SetStrOpt = Annotated[
 GpusOpt = Annotated[
     int | None,
     typer.Option(
-        "--gpus", min=0, help="Plan for N GPUs per node with vLLM instead of detecting them (e.g. on a login node)."
+        "--gpus",
+        metavar="N",
+        min=0,
+        help="Plan for N GPUs per node with vLLM instead of detecting them (e.g. on a login node).",
     ),
 ]
 PlanMemOpt = Annotated[

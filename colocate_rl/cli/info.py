@@ -16,28 +16,33 @@ from colocate_rl.errors import UserError
 @app.command()
 @guarded
 def recipes(
-    name: Annotated[str | None, typer.Argument(help="Shipped recipe to copy out.")] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Where to copy it (default ./NAME.yaml).")] = None,
+    name: Annotated[str | None, typer.Argument(metavar="NAME", help="Shipped recipe or script to copy out.")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", metavar="FILE", help="Where to copy it (default ./NAME.yaml).")
+    ] = None,
 ) -> None:
-    """List the shipped recipes and cluster launch scripts, or copy one out to edit: `colocate-rl recipes
-    quickstart`, `colocate-rl recipes slurm.sbatch`."""
+    """List the shipped recipes and cluster launch scripts, one line each, or copy one out to edit (`colocate-rl
+    recipes quickstart`, `colocate-rl recipes slurm.sbatch`)."""
+    from colocate_rl.errors import did_you_mean
     from colocate_rl.recipe.shipped import recipe_summary, shipped_recipes, shipped_scripts
 
     shipped, scripts = shipped_recipes(), shipped_scripts()
     if name is None:
-        table = Table("name", "what it runs")
-        for key, path in shipped.items():
-            table.add_row(key, recipe_summary(path))
-        console.print(table)
-        table = Table("launch script", "what it does")
-        for key, path in scripts.items():
-            table.add_row(key, recipe_summary(path))
-        console.print(table)
+        for title, files in (("recipe", shipped), ("launch script", scripts)):
+            width = max(map(len, [title, *files]))
+            console.print(f"[bold]{title:<{width}}  what it runs[/]")
+            for key, path in files.items():  # one line each; cut with … only on a terminal too narrow for it
+                console.print(
+                    f"{key:<{width}}  {recipe_summary(path)}", no_wrap=True, overflow="ellipsis", markup=False
+                )
+            console.print()
         console.print("copy one out to edit: colocate-rl recipes NAME [--out FILE]")
         return
     if name not in shipped and name not in scripts:
+        known = [*shipped, *scripts]
         raise UserError(
-            f"{name}: no shipped recipe or launch script of that name; shipped: {', '.join([*shipped, *scripts])}"
+            f"{name}: no shipped recipe or launch script of that name; "
+            + (did_you_mean(name, known) or f"shipped: {', '.join(known)}")
         )
     target = out or Path(f"{name}.yaml" if name in shipped else name)
     if target.exists():
@@ -84,11 +89,12 @@ def report(
         typer.Argument(
             metavar="RUN_DIR",
             show_default=False,
-            help="Run directory written by `colocate-rl train`; give two to compare them (e.g. sleep mode on vs off).",
+            help="Run directory written by `colocate-rl train`; give two to compare them (e.g. sleep mode on vs off): "
+            "their curves share each plot.",
         ),
     ],
     out: Annotated[
-        Path | None, typer.Option("--out", help="Directory for the PNGs (default the first RUN_DIR).")
+        Path | None, typer.Option("--out", metavar="DIR", help="Directory for the PNGs (default the first RUN_DIR).")
     ] = None,
 ) -> None:
     """Time and memory per phase, reward and run summary as tables, plus PNG plots (memory timeline, step breakdown, reward)."""

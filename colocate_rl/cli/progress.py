@@ -13,7 +13,7 @@ SHORT_PHASES = {
     "sleep": "sleep",
     "offload": "offload",
     "reload": "reload",
-    "reward": "reward",
+    "reward": "score",  # scoring the completions: not "reward", the mean reward's name on the same line
     "prepare": "prep",
     "train": "train",
     "optimizer": "opt",
@@ -62,15 +62,54 @@ def eval_line(record: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def live_status(record: dict[str, Any], phases: dict[str, None]) -> str:
+    """The live line after its step count: `reward 0.963  0.24 s/step  RSS 0.55 GiB  gen 0.11s score 0.00s ...`.
+    `phases` (updated here) holds every phase seen so far, in a fixed order, each shown with its time this step
+    (0.00s when it did not run), so no field moves or vanishes from one step to the next."""
+    parts = [f"reward {record['reward']:.3f}"]
+    if isinstance(record.get("time/step_s"), (int, float)):
+        parts.append(f"{record['time/step_s']:.2f} s/step")
+    if "mem/gpu_used_gib" in record:
+        parts.append(f"GPU {record['mem/gpu_used_gib']:.1f} GiB peak {record.get('mem/gpu_peak_gib', 0):.1f}")
+    elif "mem/rss_gib" in record:
+        parts.append(f"RSS {record['mem/rss_gib']:.2f} GiB")
+    phases.update((name, None) for name in SHORT_PHASES if record.get(f"time/{name}_s", 0) >= 0.005)
+    shown = [name for name in SHORT_PHASES if name in phases]
+    return "  ".join(parts) + "  " + " ".join(f"{SHORT_PHASES[n]} {record.get(f'time/{n}_s', 0):.2f}s" for n in shown)
+
+
+def live_progress(console):
+    """The live line of a run on a terminal: `step 20/40 ━━━━━━ 0:00:12 reward 0.963 ...`, as wide as the terminal
+    (the status is cut with … where it does not fit), the step count and time left always shown. Returns the rich
+    `Progress` and its task; `steps` and `status` are the task's fields."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.table import Column
+
+    return Progress(
+        TextColumn("{task.fields[steps]}", table_column=Column(no_wrap=True, min_width=len("step 99/99"))),
+        BarColumn(bar_width=10),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+        console=console,
+        expand=True,
+    )
+
+
+def step_count(step: int, total: int | None) -> str:
+    """`step  7/40`: padded to the width of the last step's, so the bar does not move as the count grows."""
+    if total is None:
+        return f"step {step}"
+    return f"step {step:>{len(str(total))}}/{total}"
+
+
 def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> int:
-    """Prepare and run `plan`, showing progress (a live bar on a terminal, one line per step otherwise, every rank's
+    """Prepare and run `plan`, showing progress (a live line on a terminal, one line per step otherwise, every rank's
     output with `verbose`) and how the run ended; returns the exit code for `train`."""
     import signal
 
     from colocate_rl.launch.execute import prepare, run
     from colocate_rl.rundir import RunDir
 
-    console.print(f"run dir: [bold]{plan.run_dir}[/]  (log: {RunDir(plan.run_dir).log(plan.node_dir)})")
     if plan.builtin_model:
         console.print(f"building built-in model {plan.builtin_model['layout']} ...")
     differ = prepare(plan)
@@ -81,26 +120,24 @@ def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> in
             highlight=False,
         )
     progress = None
+    phases: dict[str, None] = {}
     if console.is_terminal and not verbose:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        progress = Progress(
-            TextColumn("training"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[status]}"),
-            console=console,
-        )
-        task = progress.add_task("train", total=None, status="starting ranks ...")
+        progress = live_progress(console)
+        task = progress.add_task("train", total=None, steps="step –", status="starting ranks ...")
         progress.start()
 
     def on_step(record: dict[str, Any]) -> None:
         if "reward" not in record:  # a held-out evaluation
             (progress.console if progress is not None else console).out(eval_line(record), highlight=False)
         elif progress is not None:
-            status = f"reward {record['reward']:.3f}  {phase_summary(record)}"
-            progress.update(task, completed=record["step"], total=record.get("max_steps"), status=status)
+            total = record.get("max_steps")
+            progress.update(
+                task,
+                completed=record["step"],
+                total=total,
+                steps=step_count(record["step"], total),
+                status=live_status(record, phases),
+            )
         else:
             console.out(step_line(record), highlight=False)
 

@@ -57,7 +57,8 @@ def push_line(output) -> str:
     return f"final/ to {output.push_to_hub} on the Hub after the run (node 0; a new repo is {visibility})"
 
 
-def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") -> Table:
+def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "", log: Path | None = None) -> Table:
+    """What the run will be, one row per part; the run directory (and its log) last."""
     from colocate_rl.plan.deepspeed import ZeroLayout
 
     r = resolved.recipe
@@ -125,6 +126,8 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "") 
         rows.append(("recipe hash", f"{recipe_hash} (the same on every node)"))
     if run_dir is not None:
         rows.append(("run dir", str(run_dir)))
+    if log is not None:
+        rows.append(("log", str(log)))
     for key, value in rows:
         table.add_row(key, value)
     return table
@@ -151,6 +154,23 @@ def push_to_hub(run_dir: Path, repo: str, private: bool, console) -> int:
     return 130 if pushed.interrupted else 1
 
 
+def choice_lines(resolved) -> list[str]:
+    """What each `auto` chose and why, its peaks labelled: the layout's are estimated with vLLM asleep while the
+    trainer runs (sleep level 2, before `sleep_level: auto` is decided) unless the recipe keeps it awake; the sleep
+    level's is the peak with vLLM awake."""
+    lines = resolved.choice_lines()
+    layout, sleep = resolved.layout_choice, resolved.sleep_choice
+    if resolved.backend != "vllm":
+        return lines
+    if layout is not None and layout.limit_gib is not None:
+        level = 2 if sleep is not None else resolved.recipe.generation.sleep_level
+        lines[0] += f"; peaks with vLLM {'asleep' if level else 'awake'} while training (sleep level {level})"
+    if sleep is not None and sleep.peak_gib is not None:
+        at = len(layout.lines()) if layout is not None else 0
+        lines[at] += "; peak with vLLM awake while training"
+    return lines
+
+
 @app.command()
 @guarded
 def validate(
@@ -170,7 +190,7 @@ def validate(
     flags = parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id)
     resolved, _ = _load(recipe, parse_sets(set_, set_str), gpus, gpu_memory, flags)
     console.print(summary_table(resolved))
-    for line in resolved.choice_lines():
+    for line in choice_lines(resolved):
         console.print(line, highlight=False, soft_wrap=True)
     console.print("[green]recipe is valid[/]")
 
@@ -179,7 +199,8 @@ def validate(
 @guarded
 def train(
     recipe: Annotated[
-        str | None, typer.Argument(help="Recipe file, or the name of a shipped recipe (not with --resume).")
+        str | None,
+        typer.Argument(metavar="RECIPE", help="Recipe file, or the name of a shipped recipe (not with --resume)."),
     ] = None,
     set_: SetOpt = None,
     set_str: SetStrOpt = None,
@@ -196,6 +217,7 @@ def train(
         Path | None,
         typer.Option(
             "--run-dir",
+            metavar="DIR",
             help="Run directory (default runs/<name>-<time>; on several nodes runs/<name>-<rdzv id>).",
         ),
     ] = None,
@@ -212,7 +234,7 @@ def train(
     from colocate_rl.pipeline import plan_run
     from colocate_rl.plan.slurm import slurm_note
     from colocate_rl.plan.sources import NODE_KEYS, parse_node_flags
-    from colocate_rl.rundir import check_run_dir_free, summarize
+    from colocate_rl.rundir import RunDir, check_run_dir_free, summarize
 
     flags = parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id)
     if (recipe is None) == (resume is None):
@@ -248,7 +270,7 @@ def train(
             print(f"# recipe hash: {plan.recipe_hash} (must be the same on every node)")
         if note:
             print(f"# note: {note}")
-        for line in resolved.choice_lines():
+        for line in choice_lines(resolved):
             print(f"# {line}")
         if plan.resume_from is not None:
             print(f"# resumes from {plan.resume_from}")
@@ -265,7 +287,8 @@ def train(
         check_run_dir_free(plan.run_dir, plan.node_dir)
     if note:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
-    console.print(summary_table(resolved, plan.run_dir, plan.recipe_hash if dist.nnodes > 1 else ""))
+    log = RunDir(plan.run_dir).log(plan.node_dir)
+    console.print(summary_table(resolved, plan.run_dir, plan.recipe_hash if dist.nnodes > 1 else "", log))
     if plan.resume_from is not None:
         console.print(f"resuming from {plan.resume_from}", highlight=False)
     code = run_with_progress(plan, console, verbose=verbose, watchdog=Watchdog.for_run(resolved, plan.run_dir))
@@ -280,6 +303,7 @@ def train(
             f"{summary['train_s']:.1f} s",
         )
         console.print(table)
+        console.print(f"next: colocate-rl report {plan.run_dir}", highlight=False, soft_wrap=True)
     output = resolved.recipe.output
     if code == 0 and output.push_to_hub is not None and dist.node_rank == 0:
         code = push_to_hub(plan.run_dir, output.push_to_hub, output.hub_private, console)

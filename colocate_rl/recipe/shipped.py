@@ -6,6 +6,7 @@ installed wheel carries them inside the package (`colocate_rl/_shipped/`).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent.parent  # colocate_rl/
@@ -35,17 +36,24 @@ def shipped_scripts() -> dict[str, Path]:
 
 
 def recipe_summary(path: Path) -> str:
-    """The first comment line of a shipped file (its one-line description; a script's `#!` line is skipped)."""
-    for line in path.read_text().splitlines():
-        if line.startswith("#") and not line.startswith("#!"):
-            return line.lstrip("# ").strip()
-    return ""
+    """The first sentence of a shipped file's opening comment (a script's `#!` line skipped): what it runs, in one
+    line of `colocate-rl recipes`."""
+    lines = path.read_text().splitlines()
+    start = 1 if lines and lines[0].startswith("#!") else 0
+    header = []
+    for line in lines[start:]:
+        if not line.startswith("#") or not line.strip("# "):
+            break
+        header.append(line.lstrip("# ").strip())
+    text = " ".join(header)
+    end = re.search(r"\.(\s|$)", text)
+    return text[: end.start() + 1] if end else text
 
 
 def find_recipe(recipe: str) -> Path:
     """A recipe argument as a path: an existing file, anything that looks like a path, or a shipped recipe's name.
     Fails (UserError) on a name that is neither."""
-    from colocate_rl.errors import UserError
+    from colocate_rl.errors import UserError, did_you_mean
 
     path = Path(recipe)
     if path.exists() or path.suffix in (".yaml", ".yml") or "/" in recipe:
@@ -53,4 +61,5 @@ def find_recipe(recipe: str) -> Path:
     shipped = shipped_recipes()
     if recipe in shipped:
         return shipped[recipe]
-    raise UserError(f"{recipe}: no such recipe file or shipped recipe; shipped: {', '.join(shipped)}")
+    hint = did_you_mean(recipe, shipped)
+    raise UserError(f"{recipe}: no such recipe file or shipped recipe; " + (hint or f"shipped: {', '.join(shipped)}"))
