@@ -160,11 +160,13 @@ def test_a_misspelled_shipped_recipe_gets_a_did_you_mean(tmp_path):
 def test_train_prints_the_run_dir_once_and_the_report_command_at_the_end(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
 
+    code = 0
+
     def ran(plan, console, verbose=False, watchdog=None):  # the run itself: two logged steps
         plan.run_dir.mkdir()
         steps = [{"step": s, "max_steps": 2, "wall_s": s * 0.5, "reward": s / 4} for s in (1, 2)]
         (plan.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
-        return 0
+        return code
 
     monkeypatch.setattr(cli_train, "run_with_progress", ran)
     result = cli_here("train", "quickstart", "--run-dir", run_dir, "--set", "trainer.max_steps=2")
@@ -176,3 +178,6 @@ def test_train_prints_the_run_dir_once_and_the_report_command_at_the_end(tmp_pat
         ["next:", "colocate-rl", "report", str(run_dir)],
     ]
     assert lines[-1] == f"next: colocate-rl report {run_dir}"
+    code = 3  # a failed run ends on its error (printed by run_with_progress), not on a next step
+    result = cli_here("train", "quickstart", "--run-dir", tmp_path / "failed", "--set", "trainer.max_steps=2")
+    assert result.returncode == 3 and "next:" not in result.stdout

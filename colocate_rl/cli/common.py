@@ -24,6 +24,9 @@ def _metavar(param, ctx=None) -> str | None:
 
 
 class _ReadableHelp:
+    """Help whose value column is `_metavar`: it replaces `display_type_rich`, what typer's rich help shows there (a
+    typer that calls something else shows its own types again; tests/test_ux.py notices)."""
+
     def get_params(self, ctx):
         params = super().get_params(ctx)
         for param in params:

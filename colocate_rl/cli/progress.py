@@ -80,8 +80,8 @@ def live_status(record: dict[str, Any], phases: dict[str, None]) -> str:
 
 def live_progress(console):
     """The live line of a run on a terminal: `step 20/40 ━━━━━━ 0:00:12 reward 0.963 ...`, as wide as the terminal
-    (the status is cut with … where it does not fit), the step count and time left always shown. Returns the rich
-    `Progress` and its task; `steps` and `status` are the task's fields."""
+    (the status is cut with … where it does not fit), the step count and time left always shown: a rich `Progress`
+    whose task has the fields `steps` (`step_count`) and `status` (`live_status`)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Column
 

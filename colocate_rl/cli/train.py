@@ -303,8 +303,9 @@ def train(
             f"{summary['train_s']:.1f} s",
         )
         console.print(table)
-        console.print(f"next: colocate-rl report {plan.run_dir}", highlight=False, soft_wrap=True)
     output = resolved.recipe.output
     if code == 0 and output.push_to_hub is not None and dist.node_rank == 0:
         code = push_to_hub(plan.run_dir, output.push_to_hub, output.hub_private, console)
+    if code == 0 and summary["steps"]:  # a stopped or failed run ends on its resume command or its error instead
+        console.print(f"next: colocate-rl report {plan.run_dir}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)

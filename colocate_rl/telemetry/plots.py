@@ -122,13 +122,11 @@ def plot_step_breakdown(runs: list[Run], path: Path) -> Path | None:
                 color=COLORS.get(phase, "tab:cyan"),
                 label=phase,
                 width=width,
-                hatch=RUN_HATCHES[i] if len(runs) > 1 else "",
-                edgecolor="white" if i else None,
+                hatch=RUN_HATCHES[i],
+                edgecolor="white" if i else None,  # the hatch's colour
                 linewidth=0,
             )
             bottom = [b + s for b, s in zip(bottom, secs)]
-    if not any(phase_names(r.steps) for r in runs):
-        ax.text(0.5, 0.5, "no phase timing in metrics.jsonl", ha="center", transform=ax.transAxes)
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     handles: dict = {}
@@ -138,7 +136,14 @@ def plot_step_breakdown(runs: list[Run], path: Path) -> Path | None:
     if len(runs) > 1:
         from matplotlib.patches import Patch
 
-        legend += [Patch(facecolor="lightgray", hatch=RUN_HATCHES[i], label=name) for i, name in enumerate(names)]
+        legend += [
+            Patch(
+                facecolor="lightgray",
+                hatch=RUN_HATCHES[i],
+                label=name + ("" if phase_names(run.steps) else " (no phase timing)"),
+            )
+            for i, (name, run) in enumerate(zip(names, runs))
+        ]
     fig.legend(handles=legend, loc="outside right upper", fontsize="small")
     fig.suptitle("Time per step by phase (exclusive seconds; step 1 includes warm-up)")
     return _save(fig, path)
