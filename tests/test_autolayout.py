@@ -256,7 +256,7 @@ def test_train_dry_run_and_validate_say_what_auto_chose(qwen7_file):
     lines = result.stdout.splitlines()
     assert (
         "# distributed.zero_stage and trainer.gradient_checkpointing auto: estimated peak per GPU vs 126.4 GiB "
-        "(140.4 GiB less 10% margin), fastest first" in lines
+        "(140.4 GiB less 10% margin), fastest first; peaks with vLLM asleep while training (sleep level 2)" in lines
     )
     assert any(x.startswith("#   ZeRO-2 ") and x.endswith("too big") for x in lines)
     assert any(x.startswith("#   ZeRO-3 + offload optimizer ") and x.endswith("fits  ← chosen") for x in lines)
