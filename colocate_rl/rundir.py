@@ -4,7 +4,7 @@
 `DONE`, each rank writes `timeline/rank<N>.jsonl` and `events.jsonl` records; `report`, `mem-probe` and the
 benchmarks read them back. Layout (several nodes add `nodes/<node_rank>/` for each node's own files):
 
-    recipe.yaml  launch.json  launch.sh  deepspeed.json  model -> built-in model  train.log
+    recipe.yaml  launch.json  launch.sh  deepspeed.json  model -> built-in model  train.log  .owner.lock
     metrics.jsonl  events.jsonl  timeline/rank<N>.jsonl  final/  DONE
     nodes/<node_rank>/{launch.sh, recipe-identity.json, train.log, ranks/}
 
@@ -41,6 +41,7 @@ DONE = "DONE"  # rank 0, once the final model is saved
 NODES_DIR = "nodes"  # nodes/<node_rank>/: one node's own files when several nodes share the run dir
 IDENTITY = "recipe-identity.json"  # nodes/<node_rank>/recipe-identity.json
 RANK_LOGS = "ranks"  # nodes/<node_rank>/ranks/: torchrun's per-rank logs
+OWNER_LOCK = ".owner.lock"  # flock'd by the launcher or launch.sh that runs it (colocate_rl.launch.owner)
 
 # What other nodes of the same multi-node run may already have put into a shared run directory.
 SHARED_BEFORE_START = {RECIPE, LAUNCH_SPEC, DEEPSPEED, MODEL_LINK, NODES_DIR}
@@ -118,6 +119,11 @@ class RunDir:
     def log(self, node_dir: str | None = None) -> Path:
         """This node's log: `train.log`, or `nodes/<node_rank>/train.log` on several nodes."""
         return self.path / (node_dir or "") / LOG
+
+
+def owner_lock_name(node_dir: str | None = None) -> str:
+    """`.owner.lock`; on several nodes one per node, `.owner-nodes-<node_rank>.lock` (the run dir may be shared)."""
+    return OWNER_LOCK if node_dir is None else f".owner-{node_dir.replace('/', '-')}.lock"
 
 
 def node_dir_name(node_rank: int | str) -> str:
@@ -247,7 +253,7 @@ def _check_run_dir_free(run_dir: Path, node_dir: str | None) -> None:
             f"output.run_dir: '{run_dir}' is not writable (read-only or no permission); fix its permissions or "
             f"{RUN_DIR_FIX}"
         )
-    entries = sorted(p.name for p in run_dir.iterdir())
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name != OWNER_LOCK)
     if node_dir is None:
         if entries:
             raise UserError(
@@ -307,7 +313,7 @@ def write_run_dir(run_dir: Path, files: dict[str, str], node_dir: str | None = N
     then whatever this call created is removed again."""
     check_run_dir_free(run_dir, node_dir)
     created: list[Path] = []  # what this call made, removed again if it fails
-    first_new = _first_missing(run_dir)
+    first_new = first_missing(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         if first_new is not None:
@@ -351,7 +357,7 @@ def write_run_dir(run_dir: Path, files: dict[str, str], node_dir: str | None = N
         )
 
 
-def _first_missing(path: Path) -> Path | None:
+def first_missing(path: Path) -> Path | None:
     """The outermost directory `mkdir(parents=True)` of `path` would create, or None when `path` exists."""
     path = Path(os.path.abspath(path))
     missing = None

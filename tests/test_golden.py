@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from colocate_rl.cli import app
 from colocate_rl.pipeline import load_resolved
 from colocate_rl.plan.host import planning_host
-from colocate_rl.plan.launch_plan import make_plan
+from colocate_rl.plan.launch_plan import extensions_dir, make_plan
 from colocate_rl.plan.sources import parse_node_flags
 from colocate_rl.recipe.load import parse_sets
 
@@ -84,7 +84,11 @@ def test_dry_run_and_run_dir_files_are_unchanged(case, clean_env):
     got = {
         "args": args,
         "exit": result.exit_code,
-        "stdout": result.stdout.replace(sys.executable, "<python>").replace(str(clean_env), "<cwd>"),
+        "stdout": result.stdout.replace(sys.executable, "<python>")
+        .replace(
+            extensions_dir(Path("/cache/colocate-rl"), sys.executable).name, extensions_dir(Path(), "<python>").name
+        )
+        .replace(str(clean_env), "<cwd>"),
         "stderr": result.stderr.replace(sys.executable, "<python>"),
     }
     if result.exit_code == 0:

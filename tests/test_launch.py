@@ -90,6 +90,8 @@ def on_term(*_):
     (run / "got-term").write_text("1")
     sys.exit(7)
 signal.signal(signal.SIGTERM, on_term)
+(run / "timeline").mkdir()
+(run / "timeline" / "rank0.jsonl").write_text('{"step": 1}\\n')  # a step ended: a stop now waits for the next
 (run / "ready").write_text("1")
 time.sleep(60)
 """

@@ -11,7 +11,7 @@ from conftest import resolved as resolved_for
 from colocate_rl.errors import UserError
 from colocate_rl.pipeline import plan_resume, resolve
 from colocate_rl.plan.host import assumed_host
-from colocate_rl.plan.launch_plan import make_plan
+from colocate_rl.plan.launch_plan import extensions_dir, make_plan
 from colocate_rl.plan.resolved import AUTO_KEYS, auto_keys
 from colocate_rl.recipe.load import parse_recipe
 
@@ -45,7 +45,7 @@ def test_single_node_cpu_plan():
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
-        "TORCH_EXTENSIONS_DIR": "/cache/colocate-rl/torch_extensions",
+        "TORCH_EXTENSIONS_DIR": str(extensions_dir(CACHE, "/venv/bin/python")),
         "DS_ACCELERATOR": "cpu",
         "HF_HUB_OFFLINE": "1",
     }
@@ -156,7 +156,8 @@ def test_launch_script_replays_the_plan():
     script = plan.files["launch.sh"]
     assert script.startswith("#!/usr/bin/env bash\n")
     assert "cd /work\n" in script and "export DS_ACCELERATOR=cpu\n" in script
-    assert script.rstrip().endswith("exec " + " ".join(plan.argv))
+    owner = f"/venv/bin/python -m colocate_rl.launch.owner {RUN} -- "  # torchrun holds the run dir's owner lock
+    assert script.rstrip().endswith("exec " + owner + " ".join(plan.argv))
     assert plan.command_line().endswith(" ".join(plan.argv))
 
 

@@ -151,6 +151,11 @@ def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> in
             highlight=False,
         )
 
+    def on_notice(line: str) -> None:
+        (progress.console if progress is not None else console).print(
+            line, markup=False, highlight=False, soft_wrap=True
+        )
+
     try:
         result = run(
             plan,
@@ -158,6 +163,7 @@ def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> in
             echo=echo if verbose else None,
             on_stop_request=on_stop_request,
             watchdog=watchdog,
+            on_notice=on_notice,
         )
     finally:
         if progress is not None:
@@ -180,10 +186,9 @@ def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> in
                 soft_wrap=True,
             )
         else:
-            last = RunDir(plan.run_dir).complete_checkpoints()
-            where = f"the last complete checkpoint is {last[-1]}" if last else "no checkpoint was saved"
-            resume = f"; resume with: colocate-rl train --resume {plan.run_dir}" if last else ""
-            console.print(f"stopped ({name}) without a new checkpoint; {where}{resume}", highlight=False)
+            when = "before the first step" if result.before_first_step else "without a new checkpoint"
+            line = f"stopped ({name}) {when}; {_resume_line(plan.run_dir, 'no checkpoint was saved')}"
+            console.print(line, highlight=False, soft_wrap=True)
         return result.code
     if result.crashed_after_done:
         console.print(
@@ -194,11 +199,26 @@ def run_with_progress(plan, console, verbose: bool = False, watchdog=None) -> in
         console.print(f"[red]error:[/] {result.ended_by}", highlight=False, soft_wrap=True)
         return result.code
     if result.code != 0:
-        if not verbose and not result.errors:  # a rank's own error line says it; torchrun's traceback would bury it
+        own = result.errors or ([result.rank_error] if result.rank_error else [])
+        if not verbose and not own:  # a rank's own error line says it; torchrun's traceback would bury it
             console.print(result.log_tail(), markup=False, highlight=False)
         console.print(f"[red]error:[/] training failed (exit code {result.code}); full log: {result.log}")
-        for line in result.errors:
+        for line in own:
             console.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
         for line in result.hints:
             console.print(f"[yellow]hint:[/] {line}", highlight=False)
+        if RunDir(plan.run_dir).complete_checkpoints():
+            console.print(_resume_line(plan.run_dir, ""), highlight=False, soft_wrap=True)
     return result.code
+
+
+def _resume_line(run_dir, none: str) -> str:
+    """`the last complete checkpoint is ...; resume with: ...`, or `none` when there is no complete checkpoint."""
+    from rich.markup import escape
+
+    from colocate_rl.rundir import RunDir
+
+    last = RunDir(run_dir).complete_checkpoints()
+    if not last:
+        return none
+    return escape(f"the last complete checkpoint is {last[-1]}; resume with: colocate-rl train --resume {run_dir}")

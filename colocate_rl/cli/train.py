@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -230,82 +231,120 @@ def train(
     gpu_memory: PlanMemOpt = None,
 ) -> None:
     """Train: validate the recipe, write the run directory, run torchrun with the worker on every rank."""
+    from colocate_rl.launch import owner
     from colocate_rl.launch.watchdog import Watchdog
     from colocate_rl.pipeline import plan_run
     from colocate_rl.plan.slurm import slurm_note
     from colocate_rl.plan.sources import NODE_KEYS, parse_node_flags
-    from colocate_rl.rundir import RunDir, check_run_dir_free, summarize
+    from colocate_rl.rundir import NODES_DIR, RunDir, summarize
 
     flags = parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id)
     if (recipe is None) == (resume is None):
         raise UserError("train: give a RECIPE to start a run, or --resume RUN_DIR to continue one (not both)")
-    if resume is not None:
-        if run_dir is not None:
-            raise UserError("--run-dir: a resumed run stays in its own directory; drop --run-dir")
-        from colocate_rl.pipeline import plan_resume
-        from colocate_rl.plan.host import planning_host
+    lock = None  # the run dir's owner lock: released when train returns (this process may go on: tests)
+    try:
+        if resume is not None:
+            if run_dir is not None:
+                raise UserError("--run-dir: a resumed run stays in its own directory; drop --run-dir")
+            if not dry_run and not (resume / NODES_DIR).is_dir():  # one node: refused at once while the run is live
+                lock = owner.take(resume, create=False)
+            from colocate_rl.pipeline import plan_resume
+            from colocate_rl.plan.host import planning_host
 
-        resolved, plan = plan_resume(
-            resume,
-            parse_sets(set_, set_str),
-            host=planning_host(gpus, gpu_memory),
-            flags=flags,
-            env=os.environ,
-            cwd=Path.cwd(),
-            python=sys.executable,
-        )
-        _check_push(resolved)
-        sources = {key: "recipe" for key in NODE_KEYS}
-    else:
-        resolved, sources = _load(recipe, parse_sets(set_, set_str), gpus, gpu_memory, flags)
-        plan = plan_run(resolved, run_dir, env=os.environ, now=datetime.now(), cwd=Path.cwd(), python=sys.executable)
-    dist = resolved.recipe.distributed
-    note = slurm_note(os.environ, dist.nnodes, sources["nnodes"])
-    if dry_run:
-        print(f"# run dir (not created): {plan.run_dir}")
-        for key in NODE_KEYS:  # where the node settings came from (all of them on several nodes)
-            if dist.nnodes > 1 or sources[key] != "default":
-                print(f"# distributed.{key} = {getattr(dist, key)}  ({sources[key]})")
-        if dist.nnodes > 1:
-            print(f"# recipe hash: {plan.recipe_hash} (must be the same on every node)")
+            resolved, plan = plan_resume(
+                resume,
+                parse_sets(set_, set_str),
+                host=planning_host(gpus, gpu_memory),
+                flags=flags,
+                env=os.environ,
+                cwd=Path.cwd(),
+                python=sys.executable,
+            )
+            _check_push(resolved)
+            sources = {key: "recipe" for key in NODE_KEYS}
+        else:
+            resolved, sources = _load(recipe, parse_sets(set_, set_str), gpus, gpu_memory, flags)
+            plan = plan_run(
+                resolved, run_dir, env=os.environ, now=datetime.now(), cwd=Path.cwd(), python=sys.executable
+            )
+        dist = resolved.recipe.distributed
+        note = slurm_note(os.environ, dist.nnodes, sources["nnodes"])
+        if dry_run:
+            print(f"# run dir (not created): {plan.run_dir}")
+            for key in NODE_KEYS:  # where the node settings came from (all of them on several nodes)
+                if dist.nnodes > 1 or sources[key] != "default":
+                    print(f"# distributed.{key} = {getattr(dist, key)}  ({sources[key]})")
+            if dist.nnodes > 1:
+                print(f"# recipe hash: {plan.recipe_hash} (must be the same on every node)")
+            if note:
+                print(f"# note: {note}")
+            for line in choice_lines(resolved):
+                print(f"# {line}")
+            if plan.resume_from is not None:
+                print(f"# resumes from {plan.resume_from}")
+            if resolved.recipe.output.push_to_hub is not None:
+                print(f"# pushes {push_line(resolved.recipe.output)}")
+            print(plan.command_line())
+            return
+        if gpus is not None or gpu_memory is not None:
+            raise UserError(
+                f"{'--gpus' if gpus is not None else '--gpu-memory'}: only for planning (validate, train "
+                "--dry-run); a real run uses the GPUs it finds"
+            )
+        if lock is None:  # held until this process ends: a second launch of this run (on this node) is refused
+            lock = owner.take(plan.run_dir, plan.node_dir, create=plan.resume_from is None)
+        if plan.resume_from is None:
+            lock.claim()
         if note:
-            print(f"# note: {note}")
-        for line in choice_lines(resolved):
-            print(f"# {line}")
+            console.print(f"[yellow]note:[/] {note}", highlight=False)
+        log = RunDir(plan.run_dir).log(plan.node_dir)
+        console.print(summary_table(resolved, plan.run_dir, plan.recipe_hash if dist.nnodes > 1 else "", log))
         if plan.resume_from is not None:
-            print(f"# resumes from {plan.resume_from}")
-        if resolved.recipe.output.push_to_hub is not None:
-            print(f"# pushes {push_line(resolved.recipe.output)}")
-        print(plan.command_line())
-        return
-    if gpus is not None or gpu_memory is not None:
-        raise UserError(
-            f"{'--gpus' if gpus is not None else '--gpu-memory'}: only for planning (validate, train "
-            "--dry-run); a real run uses the GPUs it finds"
-        )
-    if plan.resume_from is None:
-        check_run_dir_free(plan.run_dir, plan.node_dir)
-    if note:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
-    log = RunDir(plan.run_dir).log(plan.node_dir)
-    console.print(summary_table(resolved, plan.run_dir, plan.recipe_hash if dist.nnodes > 1 else "", log))
-    if plan.resume_from is not None:
-        console.print(f"resuming from {plan.resume_from}", highlight=False)
-    code = run_with_progress(plan, console, verbose=verbose, watchdog=Watchdog.for_run(resolved, plan.run_dir))
-    summary = summarize(plan.run_dir)
-    if summary["steps"]:
-        table = Table(title="run summary")
-        for col in ("steps", "reward first → last", "train time"):
-            table.add_column(col)
-        table.add_row(
-            str(summary["steps"]),
-            f"{summary['reward_first']:.3f} → {summary['reward_last']:.3f}",
-            f"{summary['train_s']:.1f} s",
-        )
-        console.print(table)
-    output = resolved.recipe.output
-    if code == 0 and output.push_to_hub is not None and dist.node_rank == 0:
-        code = push_to_hub(plan.run_dir, output.push_to_hub, output.hub_private, console)
-    if code == 0 and summary["steps"]:  # a stopped or failed run ends on its resume command or its error instead
-        console.print(f"next: colocate-rl report {plan.run_dir}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
+            console.print(f"resuming from {plan.resume_from}", highlight=False)
+        code = _launch(plan, lock, verbose, Watchdog.for_run(resolved, plan.run_dir))
+        summary = summarize(plan.run_dir)
+        if summary["steps"]:
+            table = Table(title="run summary")
+            for col in ("steps", "reward first → last", "train time"):
+                table.add_column(col)
+            table.add_row(
+                str(summary["steps"]),
+                f"{summary['reward_first']:.3f} → {summary['reward_last']:.3f}",
+                f"{summary['train_s']:.1f} s",
+            )
+            console.print(table)
+        output = resolved.recipe.output
+        if code == 0 and output.push_to_hub is not None and dist.node_rank == 0:
+            code = push_to_hub(plan.run_dir, output.push_to_hub, output.hub_private, console)
+        if code == 0 and summary["steps"]:  # a stopped or failed run ends on its resume command or its error instead
+            console.print(f"next: colocate-rl report {plan.run_dir}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _launch(plan, lock, verbose: bool, watchdog) -> int:
+    """Build, launch and watch the run. A stop signal before torchrun starts (while the built-in model is built)
+    ends `train` with one line and 130/143; a new run that ends before torchrun started (stopped, or its build
+    failed) leaves no run directory behind, a resumed one is left as it was."""
+    from colocate_rl.launch.supervise import Stopped, stop_signals_raise
+    from colocate_rl.rundir import RunDir
+
+    try:
+        with stop_signals_raise():
+            return run_with_progress(plan, console, verbose=verbose, watchdog=watchdog)
+    except BaseException as e:
+        started = RunDir(plan.run_dir).log(plan.node_dir).exists()  # torchrun ran: keep what it wrote
+        if lock is not None and lock.fresh and not started:
+            lock.discard()
+        if not isinstance(e, Stopped):
+            raise
+        if started:
+            line = f"stopped ({e})"
+        elif plan.resume_from is not None:
+            line = f"stopped ({e}) before training started; resume with: colocate-rl train --resume {plan.run_dir}"
+        else:
+            line = f"stopped ({e}) before training started; nothing was kept"
+        console.print(line, highlight=False, soft_wrap=True)
+        return 130 if e.signum == signal.SIGINT else 143

@@ -4,7 +4,9 @@ it ended.
 torchrun's combined output goes to this node's `train.log` (`colocate_rl.rundir`); each new step record of
 `metrics.jsonl` is handed to `on_step` while the run goes. The exit code is torchrun's, except that a crash at
 interpreter exit after rank 0 wrote `DONE` (a known vLLM sleep-mode problem) does not fail a finished, saved run.
-Fails (UserError) before anything starts when the run directory is taken.
+Fails (UserError) before anything starts when the run directory is taken. Until the first step ends, the ranks'
+compile cache is watched (a compile is announced, a lock a stopped compile left is removed) and a stop signal ends
+the job at once (there is nothing to save, and the step end it would wait for may never come).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from colocate_rl.launch.failures import diagnose
+from colocate_rl.launch.compile_cache import CompileWatch
+from colocate_rl.launch.failures import diagnose, rank_failure
 from colocate_rl.launch.supervise import run_supervised
 from colocate_rl.launch.watchdog import Watchdog
 from colocate_rl.plan.launch_plan import LaunchPlan
@@ -38,6 +41,8 @@ class RunResult:
     ended_by: str | None = None  # why this launcher ended the job (the watchdog, a log it could not write)
     errors: list[str] = field(default_factory=list)  # what the ranks stopped on (events.jsonl), or the launcher
     hints: list[str] = field(default_factory=list)  # advice for known failures in the log
+    before_first_step: bool = False  # a stop signal came before any rank ended a step: the job was ended at once
+    rank_error: str | None = None  # the failed rank's own error line (or how it was killed), from the log
 
     def log_tail(self, lines: int = 40) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -91,12 +96,28 @@ def run(
     watchdog: Watchdog | None = None,
     timeout_s: float | None = None,
     stdin: int | None = None,
+    on_notice: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Run a prepared plan's torchrun under supervision until it ends; then read how it ended. The first stop
     signal asks every rank to save a checkpoint at the next step end and stop (the run dir's STOP request;
-    `on_stop_request(signum)` is told), a second one ends the job at once; `watchdog` ends a job that stalls."""
+    `on_stop_request(signum)` is told), a second one ends the job at once, and so does the first one before any
+    step ended; `watchdog` ends a job that stalls. `on_notice` gets the compile cache's lines (`CompileWatch`)."""
     seen = 0
     paths = RunDir(plan.run_dir)
+    env = {**os.environ, **plan.env}
+    watch = CompileWatch(Path(env["TORCH_EXTENSIONS_DIR"])) if env.get("TORCH_EXTENSIONS_DIR") else None
+    timelines = {p: p.stat().st_size for p in paths.timelines()}  # a resumed run's: the new steps make them grow
+    state = {"stepped": False, "before_first_step": False}
+
+    def stepped() -> bool:
+        if not state["stepped"]:
+            state["stepped"] = any(p.stat().st_size > timelines.get(p, 0) for p in paths.timelines())
+        return state["stepped"]
+
+    def notice(lines: list[str]) -> None:
+        for line in lines:
+            if on_notice is not None:
+                on_notice(line)
 
     def on_tick() -> None:
         nonlocal seen
@@ -105,8 +126,13 @@ def run(
             if ("reward" in record or "eval/reward" in record) and on_step is not None:  # a step or an evaluation
                 on_step(record)
         seen = len(records)
+        if watch is not None and not stepped():  # the ops are built before the first step
+            notice(watch.look())
 
     def on_signal(signum: int) -> bool:
+        if not stepped():
+            state["before_first_step"] = True
+            return False  # nothing to save yet: end the job now
         try:
             paths.stop_request.write_text(f"{signal.Signals(signum).name}\n")
         except OSError:
@@ -116,10 +142,12 @@ def run(
         return True
 
     log = paths.log(plan.node_dir)
+    if watch is not None:
+        notice(watch.clear_stale())
     started = time.time()
     outcome = run_supervised(
         plan.argv,
-        {**os.environ, **plan.env},
+        env,
         log,
         echo=echo,
         on_tick=on_tick,
@@ -135,6 +163,7 @@ def run(
         timed_out=outcome.timed_out,
         seconds=outcome.seconds,
         stop_signal=outcome.signal,
+        before_first_step=state["before_first_step"],
     )
     paths.stop_request.unlink(missing_ok=True)
     stopped = [
@@ -160,9 +189,11 @@ def run(
         if reported and outcome.error is None and outcome.signal is None:  # the ranks' own verdict: 2 or 3
             kinds = {e.get("kind") for e in read_events(plan.run_dir)}
             result.code = 2 if USER_ERROR in kinds else 3 if STALE_WEIGHTS in kinds else result.code
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if outcome.signal is None and outcome.error is None:
+            result.rank_error = rank_failure(text)
         if paths.recipe.exists():
             from colocate_rl.recipe.load import load_recipe
 
-            text = log.read_text(errors="replace") if log.exists() else ""
             result.hints = diagnose(text, load_recipe(paths.recipe))
     return result

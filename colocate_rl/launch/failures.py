@@ -105,3 +105,40 @@ def advice(kind: str, recipe: Recipe) -> str | None:
 def diagnose(log_text: str, recipe: Recipe) -> list[str]:
     """Advice lines for the failures recognised in `log_text` (empty when none is recognised)."""
     return [line for kind in failures_in(log_text) if (line := advice(kind, recipe))]
+
+
+ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL
+)
+PREFIX = re.compile(r"^((?:\[[\w-]+\]:)*) ?")  # torch's "[rank1]:" (and "[default1]:" on several nodes)
+LAUNCHER_ERRORS = ("ChildFailedError", "SignalException")  # torchrun's own traceback, not a rank's
+
+
+def rank_failure(log_text: str) -> str | None:
+    """The failed rank's own error, from torchrun's "Root Cause" and that rank's traceback in the log: `rank 1:
+    OSError: ...`, `rank 1 was killed by SIGKILL`; None when the log names no failed rank."""
+    import signal
+
+    causes = list(ROOT_CAUSE.finditer(log_text))
+    if not causes:
+        return None
+    cause = causes[-1]
+    rank, code = int(cause.group(1)), int(cause.group(2))
+    if code < 0:
+        try:
+            return f"rank {rank} was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"rank {rank} was killed by signal {-code}"
+    found, in_traceback = None, False
+    for line in log_text.splitlines():
+        prefix = PREFIX.match(line)
+        text = line[prefix.end() :]
+        if prefix.group(1) and f"[rank{rank}]" not in prefix.group(1):
+            continue  # another rank's line
+        if text.startswith("Traceback (most recent call last):"):
+            in_traceback = True
+        elif in_traceback and text and not text[0].isspace():
+            in_traceback = False
+            if not any(name in text for name in LAUNCHER_ERRORS):
+                found = text.strip()
+    return f"rank {rank}: {found[:400]}" if found else f"rank {rank} exited with code {code}"

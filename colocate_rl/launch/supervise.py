@@ -5,17 +5,21 @@ The child runs in its own session (process group); its combined output is append
 by line when asked); SIGINT/SIGTERM sent to this process are forwarded to the child's group; with a timeout the whole
 tree is ended (SIGTERM, then SIGKILL after a grace period). Every process the child started is noted while it runs
 (torchrun's ranks, vLLM's engine processes, which may leave the group) and none is left running afterwards: a
-straggler would hold GPU memory.
+straggler would hold GPU memory. On Linux the child is also tied to this process (a parent-death signal): if this
+process is killed outright (SIGKILL, the OOM killer), the kernel sends the child SIGTERM and torchrun ends its ranks.
+A stop signal that was ignored when this process started (`nohup`'s SIGHUP) stays ignored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +27,62 @@ TICK_S = 0.5
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _handled_stop_signals() -> list[int]:
+    """The stop signals this process may take: not those ignored (`nohup` ignores SIGHUP, a background job of a
+    non-interactive shell SIGINT) — they stay ignored."""
+    return [s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+
+
+class Stopped(BaseException):
+    """A stop signal that arrived before the ranks started (raised by `stop_signals_raise`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """Within: SIGINT, SIGTERM or SIGHUP raises `Stopped` in the main thread (a child of `subprocess.run`, such as the
+    built-in model's build, is killed as it unwinds); `run_supervised` takes them over while it runs. Ignored signals
+    stay ignored; elsewhere than the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_stopped(signum, _frame) -> None:
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, raise_stopped) for s in _handled_stop_signals()}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+def _tie_to_this_process() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the kernel send the child SIGTERM when this process ends, however it ends (Linux's
+    PR_SET_PDEATHSIG; kept across exec); None elsewhere. A child whose parent ended before the tie exits at once."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def tie() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(143)
+
+    return tie
 
 
 @dataclass(frozen=True)
@@ -98,16 +158,35 @@ def run_supervised(
     the pipe), or on a stop signal (SIGINT, SIGTERM, SIGHUP) — except the first one that `on_signal(signum)` takes
     on itself (e.g. asking the ranks to save and stop); a second signal then ends the tree at once."""
     begin = time.monotonic()
-    proc = subprocess.Popen(
-        argv,
-        env=dict(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=stdin,
-        cwd=cwd,
-        start_new_session=True,
-    )
     state: dict = {"signal": None, "end": None, "error": None}
+    proc: subprocess.Popen | None = None
+
+    def on_stop_signal(signum, _frame) -> None:
+        if proc is not None and proc.poll() is not None:
+            return
+        if state["signal"] is None:
+            state["signal"] = signum
+            if proc is not None and on_signal is not None and on_signal(signum):
+                return
+        state["end"] = "signal"  # a second signal, or one nobody takes on: end the tree at once
+
+    in_main = threading.current_thread() is threading.main_thread()
+    # before the child starts: a signal in between ends it at once instead of killing this process alone
+    previous = {s: signal.signal(s, on_stop_signal) for s in _handled_stop_signals()} if in_main else {}
+    try:
+        proc = subprocess.Popen(
+            argv,
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=stdin,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_tie_to_this_process(),
+        )
+    except BaseException:
+        _restore(previous)
+        raise
 
     def pump() -> None:
         assert proc.stdout is not None
@@ -135,19 +214,8 @@ def run_supervised(
             except OSError:
                 pass
 
-    def on_stop_signal(signum, _frame) -> None:
-        if proc.poll() is not None:
-            return
-        if state["signal"] is None:
-            state["signal"] = signum
-            if on_signal is not None and on_signal(signum):
-                return
-        state["end"] = "signal"  # a second signal, or one nobody takes on: end the tree at once
-
     copier = threading.Thread(target=pump, daemon=True)
     copier.start()
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, on_stop_signal) for s in STOP_SIGNALS} if in_main else {}
     seen: dict = {}
     timed_out = False
     try:
@@ -164,8 +232,7 @@ def run_supervised(
                 on_tick()
             time.sleep(TICK_S)
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        _restore(previous)
     if any(p.is_running() for p in seen.values()):  # a straggler of the tree (it would hold GPU memory)
         end_tree(proc, seen, grace_s=10)
     copier.join(timeout=10)
@@ -174,3 +241,8 @@ def run_supervised(
     return Outcome(
         proc.returncode, timed_out, round(time.monotonic() - begin, 1), signal=state["signal"], error=state["error"]
     )
+
+
+def _restore(previous: dict) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler if handler is not None else signal.SIG_DFL)

@@ -5,8 +5,10 @@ No I/O happens here, so the plan is tested by comparing exact values. `colocate_
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,7 @@ from colocate_rl.plan.trl_args import trl_args
 from colocate_rl.recipe.load import dump_recipe
 
 WORKER_MODULE = "colocate_rl.worker"  # the entry point every launch.sh names: keep it stable
+OWNER_MODULE = "colocate_rl.launch.owner"  # launch.sh starts torchrun through it: the run dir's owner lock
 
 
 @dataclass(frozen=True)
@@ -62,14 +65,24 @@ def cache_dir(env: Mapping[str, str]) -> Path:
     return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "colocate-rl"
 
 
-def rank_env(resolved: Resolved, base_env: Mapping[str, str], cache_dir: Path) -> dict[str, str]:
+def extensions_dir(cache_dir: Path, python: str) -> Path:
+    """Where the ranks' JIT-compiled torch extensions (DeepSpeed ops) go: one directory per Python environment
+    (`torch_extensions/env-<hash of the environment's root>`), since a build links against that environment's torch
+    and sources, and environments sharing one directory rebuild over each other."""
+    root = str(Path(python).parent.parent)  # <venv>/bin/python → <venv>
+    return cache_dir / "torch_extensions" / f"env-{hashlib.sha256(root.encode()).hexdigest()[:10]}"
+
+
+def rank_env(
+    resolved: Resolved, base_env: Mapping[str, str], cache_dir: Path, python: str = sys.executable
+) -> dict[str, str]:
     """Per-rank environment additions; a variable the user already set is left alone."""
     threads = max(1, resolved.host.cpu_count // resolved.nproc_per_node)
     env = {
         "OMP_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
-        "TORCH_EXTENSIONS_DIR": str(cache_dir / "torch_extensions"),
+        "TORCH_EXTENSIONS_DIR": str(extensions_dir(cache_dir, python)),
     }
     if resolved.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
@@ -112,8 +125,9 @@ def torchrun_argv(resolved: Resolved, run_dir: Path, python: str) -> list[str]:
     return argv + ["-m", WORKER_MODULE, str(run_dir)]
 
 
-def launch_script(argv: list[str], env: dict[str, str], cwd: Path) -> str:
-    """`launch.sh`: the same launch, runnable by hand."""
+def launch_script(argv: list[str], env: dict[str, str], cwd: Path, run_dir: Path, node_dir: str | None) -> str:
+    """`launch.sh`: the same launch, runnable by hand; torchrun holds the run dir's owner lock (refused while another
+    launch of this run, on this node, is alive)."""
     lines = [
         "#!/usr/bin/env bash",
         "# Written by `colocate-rl train`: re-runs this launch by hand.",
@@ -121,7 +135,8 @@ def launch_script(argv: list[str], env: dict[str, str], cwd: Path) -> str:
         f"cd {shlex.quote(str(cwd))}",
     ]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-    lines.append("exec " + shlex.join(argv))
+    owner = [argv[0], "-m", OWNER_MODULE, str(run_dir), *([node_dir] if node_dir else []), "--"]
+    lines.append("exec " + shlex.join(owner + argv))
     return "\n".join(lines) + "\n"
 
 
@@ -138,7 +153,7 @@ def make_plan(
     """Everything `train` will do, decided without touching the filesystem or the environment."""
     recipe = resolved.recorded_recipe().model_copy(deep=True)  # every auto as decided: the ranks and a resume read it
     recipe.output.run_dir = str(run_dir)
-    env = rank_env(resolved, base_env, cache_dir)
+    env = rank_env(resolved, base_env, cache_dir, python)
     argv = torchrun_argv(resolved, run_dir, python)
     identity = recipe_identity(resolved)
     recipe_hash = identity_hash(identity)
@@ -170,7 +185,7 @@ def make_plan(
         files = {
             rundir.RECIPE: shared_recipe,
             rundir.LAUNCH_SPEC: spec.to_json(),
-            f"{node_dir}/{rundir.LAUNCH_SCRIPT}": launch_script(argv, env, cwd),
+            f"{node_dir}/{rundir.LAUNCH_SCRIPT}": launch_script(argv, env, cwd, run_dir, node_dir),
             f"{node_dir}/{rundir.IDENTITY}": json.dumps(
                 {"node_rank": recipe.distributed.node_rank, "recipe_hash": recipe_hash, "identity": identity}, indent=2
             )
@@ -180,7 +195,7 @@ def make_plan(
         files = {
             rundir.RECIPE: dump_recipe(recipe),
             rundir.LAUNCH_SPEC: spec.to_json(),
-            rundir.LAUNCH_SCRIPT: launch_script(argv, env, cwd),
+            rundir.LAUNCH_SCRIPT: launch_script(argv, env, cwd, run_dir, None),
         }
     if resolved.deepspeed is not None:
         files[rundir.DEEPSPEED] = json.dumps(resolved.deepspeed, indent=2) + "\n"
