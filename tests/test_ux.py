@@ -163,7 +163,7 @@ def test_train_prints_the_run_dir_once_and_the_report_command_at_the_end(tmp_pat
     code = 0
 
     def ran(plan, console, verbose=False, watchdog=None):  # the run itself: two logged steps
-        plan.run_dir.mkdir()
+        plan.run_dir.mkdir(exist_ok=True)  # the owner lock made it already
         steps = [{"step": s, "max_steps": 2, "wall_s": s * 0.5, "reward": s / 4} for s in (1, 2)]
         (plan.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
         return code
