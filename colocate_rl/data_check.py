@@ -1,7 +1,7 @@
 """What a run will read, checked before launch (no `datasets`, no download): `inspect_data` reads the first rows
 of the data `load_prompts` will load (columns, prompt values, row count), and `check_reward_on_sample` calls each
-reward once, as TRL does, on a sample completion; `check_reward_model` reads a reward model's config (of a hub
-model, only its config is fetched). Each problem raises `UserError` naming the recipe key and the fix.
+reward once, as TRL does, on a sample completion (a reward model's files: `colocate_rl.model_config`). Each problem
+raises `UserError` naming the recipe key and the fix.
 """
 
 from __future__ import annotations
@@ -9,9 +9,12 @@ from __future__ import annotations
 import codecs
 import inspect
 import json
+import math
 import os
+import re
 import stat
 from dataclasses import dataclass
+from pathlib import Path
 
 from colocate_rl.errors import UserError
 from colocate_rl.prompts import (
@@ -144,14 +147,23 @@ def _json_rows(path: str, head: bytes, whole: bool) -> list[tuple[str, object]]:
         try:
             rows.append((f"line {number}", json.loads(line)))
         except ValueError as e:
-            if not rows and whole:  # one JSON object over several lines: datasets reads it as one row
+            if not rows and whole:  # one JSON object over several lines: datasets would read it as one row
                 try:
-                    return [("line 1", json.loads(text))]
+                    json.loads(text)
                 except ValueError:
                     pass
+                else:
+                    raise _one_object(path)
             what = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
             raise UserError(f"data.source: '{path}' line {number} is not valid JSON ({what}). {_FILE_FIX}")
     return rows
+
+
+def _one_object(path: str) -> UserError:
+    return UserError(
+        f"data.source: '{path}' holds one JSON object, not rows (datasets would read it as one row). Fix: write one "
+        "JSON object per row (.jsonl) or a JSON list of row objects (.json)."
+    )
 
 
 def _file_rows(path: str, kind: str, source: str) -> tuple[list[tuple[str, dict]], list[str], int | None]:
@@ -173,6 +185,8 @@ def _file_rows(path: str, kind: str, source: str) -> tuple[list[tuple[str, dict]
         head = f.read(SCAN_BYTES + 1)
     whole = len(head) <= SCAN_BYTES
     records = _json_rows(path, head[:SCAN_BYTES], whole)
+    if whole and len(records) == 1 and records[0][0] == "line 1" and path.lower().endswith(".json"):
+        raise _one_object(path)  # a .json file of one object; one line of a .jsonl file is one row
     rows, columns = [], {}
     for place, value in records:
         if not isinstance(value, dict):
@@ -259,6 +273,35 @@ def inspect_data(
     return DataSample(source, tuple(columns), tuple(sample), total)
 
 
+def _snake(name: str) -> str:
+    """datasets' camelcase_to_snakecase: how its cache names a hub dataset's folder."""
+    name = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", name)
+    return re.sub(r"([a-z\d])([A-Z])", r"\1_\2", name).lower()
+
+
+def hub_dataset_problem(source: str, key: str) -> str | None:
+    """The line for a hub dataset a launch cannot load: the hub cannot be reached and datasets' own cache
+    (HF_DATASETS_CACHE, what `load_dataset` reads offline) does not hold it. None for a built-in task, a local file or
+    folder, a reachable hub."""
+    from colocate_rl.model_config import hf_home, hub_unreachable
+
+    local = os.path.exists(os.path.expanduser(source)) or os.path.splitext(source)[1].lower() in FILE_KINDS
+    if source.startswith("builtin:") or local:
+        return None
+    reason = hub_unreachable()
+    if reason is None:
+        return None
+    cache = Path(os.environ.get("HF_DATASETS_CACHE") or hf_home() / "datasets").expanduser()
+    *owner, name = source.split("/")
+    if any(p.is_dir() for p in cache.glob("___".join([*owner, _snake(name)]) + "/*/*/*")):
+        return None
+    return (
+        f"{key}: hub dataset '{source}' cannot be fetched ({reason}) and is not in the local datasets cache ({cache}); "
+        f"load it once where the hub is reachable (datasets.load_dataset('{source}')), or give a local .jsonl, .json "
+        "or .parquet file"
+    )
+
+
 def _sample_trainer_state(max_steps: int):
     """A stand-in for transformers' TrainerState at the first step (what rewards read from `trainer_state`)."""
     from types import SimpleNamespace
@@ -274,51 +317,61 @@ def _sample_trainer_state(max_steps: int):
     )
 
 
-def _is_number(value) -> bool:
-    if isinstance(value, (str, bytes)):
+def _finite_number(value) -> bool:
+    """A finite number (numpy and torch scalars too): not true/false, NaN or inf."""
+    if isinstance(value, (str, bytes, bool)) or type(value).__name__ == "bool_":
         return False
-    return isinstance(value, (int, float)) or hasattr(type(value), "__float__")  # numpy and torch scalars too
+    try:
+        return (isinstance(value, (int, float)) or hasattr(type(value), "__float__")) and math.isfinite(float(value))
+    except (TypeError, ValueError, OverflowError):
+        return False
 
 
 def check_reward_on_sample(fn, name: str, sample: DataSample, *, key: str, chat: bool, max_steps: int = 1) -> None:
-    """Call a reward once, as TRL calls it, on a sample completion for the first rows of `sample`; UserError naming
-    `key` when it raises or does not return one number (or None) per completion."""
+    """Call a reward once, as TRL calls it, on a sample completion for the first rows of `sample`, for at most
+    `rewards.REWARD_TIME_LIMIT_S`; UserError naming `key` when it raises anything (sys.exit() too), runs longer, or
+    does not return one finite number (or None) per completion."""
     import asyncio
+
+    from colocate_rl.rewards import USER_CODE_EXITS, time_limit
 
     rows = list(sample.rows)
     completion = [{"role": "assistant", "content": SAMPLE_COMPLETION}] if chat else SAMPLE_COMPLETION
     completions = [completion for _ in rows]
     columns = {c: [row.get(c) for row in rows] for c in sample.columns if c not in ("prompt", "completion")}
     fix = "Fix: return a list with one float (or None) per completion, for any completion text."
-    try:
-        result = fn(
-            prompts=[row["prompt"] for row in rows],
-            completions=completions,
-            completion_ids=[list(SAMPLE_COMPLETION.encode())[:16] for _ in rows],
-            **columns,
-            trainer_state=_sample_trainer_state(max_steps),
-            log_extra=lambda *args, **kwargs: None,
-            log_metric=lambda *args, **kwargs: None,
-        )
-        if inspect.isawaitable(result):  # an async reward: TRL awaits it
-
-            async def wait(awaitable):
-                return await awaitable
-
-            result = asyncio.run(wait(result))
-    except UserError as e:
-        raise UserError(*(f"{key}: reward '{name}' stopped on a sample completion: {line}" for line in e.lines))
-    except Exception as e:
-        if isinstance(e, TypeError) and "required" in str(e) and "argument" in str(e):  # a column it names is not there
-            found = ", ".join(columns) or "none besides the prompt"
-            fix = (
-                f"Fix: TRL passes the data's columns by keyword and {sample.source} has {found}: use data with that "
-                "column, or rename the parameter."
+    with time_limit(key, f"reward '{name}' called on a sample completion"):
+        try:
+            result = fn(
+                prompts=[row["prompt"] for row in rows],
+                completions=completions,
+                completion_ids=[list(SAMPLE_COMPLETION.encode())[:16] for _ in rows],
+                **columns,
+                trainer_state=_sample_trainer_state(max_steps),
+                log_extra=lambda *args, **kwargs: None,
+                log_metric=lambda *args, **kwargs: None,
             )
-        raise UserError(
-            f"{key}: reward '{name}' raised {one_line(e)} when called on a sample completion of "
-            f"{sample.source} (its first {len(rows)} rows). {fix}"
-        ) from e
+            if inspect.isawaitable(result):  # an async reward: TRL awaits it
+
+                async def wait(awaitable):
+                    return await awaitable
+
+                result = asyncio.run(wait(result))
+        except USER_CODE_EXITS:
+            raise
+        except UserError as e:
+            raise UserError(*(f"{key}: reward '{name}' stopped on a sample completion: {line}" for line in e.lines))
+        except BaseException as e:  # sys.exit() or a BaseException of its own too
+            if isinstance(e, TypeError) and "required" in str(e) and "argument" in str(e):  # a column not there
+                found = ", ".join(columns) or "none besides the prompt"
+                fix = (
+                    f"Fix: TRL passes the data's columns by keyword and {sample.source} has {found}: use data with "
+                    "that column, or rename the parameter."
+                )
+            raise UserError(
+                f"{key}: reward '{name}' raised {one_line(e)} when called on a sample completion of "
+                f"{sample.source} (its first {len(rows)} rows). {fix}"
+            ) from e
     if isinstance(result, (str, bytes, dict)) or not hasattr(result, "__len__") or not hasattr(result, "__iter__"):
         shown = one_line(ValueError(repr(result)), 80).removeprefix("ValueError: ")
         raise UserError(
@@ -330,62 +383,8 @@ def check_reward_on_sample(fn, name: str, sample: DataSample, *, key: str, chat:
             f"{key}: reward '{name}' returned {len(result)} value(s) for {len(rows)} sample completions. {fix}"
         )
     for i, value in enumerate(result):
-        if value is not None and not _is_number(value):
+        if value is not None and not _finite_number(value):
             raise UserError(
                 f"{key}: reward '{name}' returned {json_kind(value)} ({value!r:.40}) for sample completion {i}, "
-                f"not a number. {fix}"
+                f"not a finite number. {fix}"
             )
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def check_reward_model(name: str, *, key: str, chat: bool) -> dict:
-    """A reward model TRL can load and score with: a sequence classifier with one label (`...ForSequenceClassification`,
-    num_labels 1) and, in a local directory, its own tokenizer (with a chat template for `chat` data). Reads config
-    files only (a hub model's config through AutoConfig; nothing else is downloaded, no model is loaded). Returns its
-    config; UserError naming `key` otherwise, also for a hub id whose config cannot be had (offline and not cached)."""
-    from colocate_rl.model_config import looks_local, model_config
-
-    if name.startswith("builtin:"):
-        raise UserError(
-            f"{key}: '{name}': the built-in models are causal LMs, not reward models; give the directory or hub id "
-            "of a sequence-classification model, or a reward function as `name`"
-        )
-    cfg = model_config(name, key)
-    architectures = [str(a) for a in cfg.get("architectures") or []]
-    if not any(a.endswith("ForSequenceClassification") for a in architectures):
-        found = f"its config names {', '.join(architectures)}" if architectures else "its config names no architecture"
-        raise UserError(
-            f"{key}: '{name}' is not a sequence-classification model ({found}); TRL scores completions with a "
-            "...ForSequenceClassification model's one output: give such a model, or a reward function as `name`"
-        )
-    labels = len(cfg["id2label"]) if isinstance(cfg.get("id2label"), dict) else cfg.get("num_labels", 2)
-    if labels != 1:
-        raise UserError(
-            f"{key}: '{name}' has {labels} labels; TRL reads one score per completion (num_labels 1): give a reward "
-            "model with a single output"
-        )
-    folder = os.path.expanduser(name)
-    if looks_local(name) and not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
-        raise UserError(
-            f"{key}: '{name}' has no tokenizer ({', '.join(TOKENIZER_FILES[:2])}); TRL tokenizes prompt + completion "
-            "with the reward model's own tokenizer: save it into that directory (tokenizer.save_pretrained)"
-        )
-    if looks_local(name) and chat and not _has_chat_template(folder):
-        raise UserError(
-            f"{key}: '{name}' has no chat template and data.chat is true; TRL formats prompt + completion with the "
-            "reward model's chat template: add one to its tokenizer_config.json, or set data.chat: false"
-        )
-    return cfg
-
-
-def _has_chat_template(folder: str) -> bool:
-    """A tokenizer's chat template: in tokenizer_config.json or a chat_template.jinja/.json file beside it."""
-    if any(os.path.isfile(os.path.join(folder, f)) for f in ("chat_template.jinja", "chat_template.json")):
-        return True
-    try:
-        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
-            return bool(json.load(f).get("chat_template"))
-    except (OSError, ValueError, AttributeError):
-        return False

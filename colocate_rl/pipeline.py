@@ -14,7 +14,6 @@ into one). Every step raises UserError with one line per problem; nothing here w
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from colocate_rl.errors import UserError
 from colocate_rl.plan.host import Host
+from colocate_rl.plan.launch_checks import check_launch_paths, newest_whole_checkpoint
 from colocate_rl.plan.launch_plan import LaunchPlan, cache_dir, make_plan
 from colocate_rl.plan.preflight import Preflight, preflight
 from colocate_rl.plan.resolve import bind_to_host, check_engine
@@ -33,7 +33,7 @@ from colocate_rl.recipe.load import apply_overrides, parse_recipe, read_yaml
 from colocate_rl.recipe.paths import resolve_override_paths, resolve_paths
 from colocate_rl.recipe.schema import Recipe
 from colocate_rl.recipe.shipped import find_recipe
-from colocate_rl.rundir import default_run_dir
+from colocate_rl.rundir import RunDir, default_run_dir
 
 if TYPE_CHECKING:
     from colocate_rl.plan.launch_spec import LaunchSpec
@@ -119,10 +119,20 @@ def read_recipe(
     return RecipeInput(path, data, sources, cwd)
 
 
-def resolver(source: RecipeInput, host: Host) -> Callable[[Mapping[str, Any]], Resolved]:
-    """`resolve_with(changes)`: `source`'s recipe with the dotted-key `changes` resolved for `host`. The pre-flight
-    runs on the first call and is reused by every later one whose changes leave what it read alone (the model, data,
-    rewards, eval), so the files and reward code are read and run once however many variants are planned."""
+def for_launch(pre: Preflight, host: Host) -> Preflight:
+    """`pre` with its launch problems among its problems when `host` is this machine (what its ranks would miss: a
+    model's tokenizer or weights, a hub model or dataset out of reach); unchanged when planning for an assumed host
+    (`--gpus N`: another machine, which reads them itself)."""
+    if host.assumed or not pre.launch_problems:
+        return pre
+    return replace(pre, problems=(*pre.problems, *pre.launch_problems))
+
+
+def resolver(source: RecipeInput, host: Host, *, launch: bool = False) -> Callable[[Mapping[str, Any]], Resolved]:
+    """`resolve_with(changes)`: `source`'s recipe with the dotted-key `changes` resolved for `host` (`launch`: as
+    `validate` and `train` check it, `for_launch`). The pre-flight runs on the first call and is reused by every later
+    one whose changes leave what it read alone (the model, data, rewards, eval), so the files and reward code are read
+    and run once however many variants are planned."""
     pre: list[Preflight] = []
 
     def resolve_with(changes: Mapping[str, Any]) -> Resolved:
@@ -130,7 +140,7 @@ def resolver(source: RecipeInput, host: Host) -> Callable[[Mapping[str, Any]], R
         if not pre or not pre[0].matches(recipe):
             pre[:] = [preflight(recipe)]
         try:
-            return resolve(recipe, host, pre[0])
+            return resolve(recipe, host, for_launch(pre[0], host) if launch else pre[0])
         except UserError as e:
             raise UserError(*explain_sources(e.lines, source.sources))
 
@@ -146,9 +156,10 @@ def load_resolved(
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
 ) -> tuple[Resolved, dict[str, str]]:
-    """`read_recipe`'s recipe resolved for `host`; returns it and where each node key came from."""
+    """`read_recipe`'s recipe resolved for `host` and checked for a launch there (`for_launch`); returns it and where
+    each node key came from."""
     source = read_recipe(recipe, overrides, flags=flags, env=env, cwd=cwd)
-    return resolver(source, host)({}), source.sources
+    return resolver(source, host, launch=True)({}), source.sources
 
 
 def plan_run(
@@ -162,7 +173,8 @@ def plan_run(
 ) -> LaunchPlan:
     """The launch plan of `train`: run dir from `--run-dir`, else the recipe's `output.run_dir`, else
     runs/<name>-<time> (several nodes: runs/<name>-<rdzv id>, the same on every node); caches under
-    $XDG_CACHE_HOME/colocate-rl."""
+    $XDG_CACHE_HOME/colocate-rl. UserError when the run dir's name is too long or the cache cannot be written
+    (`check_launch_paths`)."""
     dist = resolved.recipe.distributed
     if run_dir is None:
         explicit = resolved.recipe.output.run_dir
@@ -171,14 +183,9 @@ def plan_run(
             if explicit
             else default_run_dir(resolved.recipe.name, now, dist.rdzv_id if dist.nnodes > 1 else None)
         )
-    return make_plan(
-        resolved,
-        run_dir=(cwd / run_dir) if not run_dir.is_absolute() else run_dir,
-        python=python,
-        cwd=cwd,
-        cache_dir=cache_dir(env),
-        base_env=env,
-    )
+    run_dir = (cwd / run_dir) if not run_dir.is_absolute() else run_dir
+    check_launch_paths(run_dir, cache_dir(env), this_machine=not resolved.host.assumed)
+    return make_plan(resolved, run_dir=run_dir, python=python, cwd=cwd, cache_dir=cache_dir(env), base_env=env)
 
 
 def estimate_host(
@@ -244,6 +251,41 @@ def _earlier_version_values(recipe: Recipe, spec: LaunchSpec, deepspeed: dict[st
     return out
 
 
+def _resume_checkpoint(paths: RunDir, run_dir: Path) -> Path:
+    """The checkpoint a resume continues from: the newest complete one whose files are whole. A newer one with a file
+    cut off is passed over with a note on stderr; UserError naming the file when none is left."""
+    complete = paths.complete_checkpoints()
+    if not complete:
+        raise UserError(
+            f"--resume {run_dir}: no complete checkpoint in {paths.checkpoints} (one cut off mid-save does not "
+            "count); start the run again with `colocate-rl train`"
+        )
+    latest, passed = newest_whole_checkpoint(complete)
+    if latest is None:
+        raise UserError(
+            f"--resume {run_dir}: no checkpoint is whole ({'; '.join(passed)}); restore the file from a copy, or start "
+            "the run again with `colocate-rl train`"
+        )
+    for problem in passed:  # the launcher prints what it resumes from; this says why not from the newest
+        print(f"note: {problem}: resuming from {latest.name}, the newest whole checkpoint", file=sys.stderr)
+    return latest
+
+
+def _check_unedited(paths: RunDir, as_written: Resolved, recorded_hash: str) -> None:
+    """UserError naming recipe.yaml when its recipe (`as_written`, resolved) is not the one launch.json's recipe hash
+    was made for: the file was edited after the run was written."""
+    from colocate_rl.plan.identity import identity_hash, recipe_identity
+
+    found = identity_hash(recipe_identity(as_written))
+    if found != recorded_hash:
+        raise UserError(
+            f"{paths.recipe}: edited since the run wrote it (its recipe hash is {found}, launch.json's {recorded_hash}); "
+            "a resume trains on with what the checkpoint was trained with: undo the edit (steps, logging and "
+            "checkpoints may change with --set, e.g. --set trainer.max_steps=N), or start a new run from the edited "
+            "recipe"
+        )
+
+
 def plan_resume(
     run_dir: Path,
     overrides: Mapping[str, Any] | None = None,
@@ -256,10 +298,12 @@ def plan_resume(
 ) -> tuple[Resolved, LaunchPlan]:
     """`train --resume RUN_DIR`: the run's own recipe as its run directory recorded it (every `auto` decided when
     it started, and its deepspeed.json as written) plus the `RESUMABLE` overrides, planned to continue from its newest
-    complete checkpoint with the same ranks; nothing is decided again. Fails (UserError) when there is nothing to
-    resume, the run finished, an override would change what the checkpoint carries, or the ranks differ."""
+    complete checkpoint whose files are whole (launch.json's resume_from, which every rank takes) with the same ranks;
+    nothing is decided again. Fails (UserError) when there is nothing to resume, the run finished, an override would
+    change what the checkpoint carries, recipe.yaml was edited since (launch.json's recipe hash), deepspeed.json is
+    broken, or the ranks differ."""
+    from colocate_rl.plan.launch_checks import run_deepspeed
     from colocate_rl.plan.launch_spec import LaunchSpec
-    from colocate_rl.rundir import RunDir
 
     paths = RunDir((cwd / run_dir) if not Path(run_dir).is_absolute() else Path(run_dir))
     if not paths.recipe.is_file() or not paths.launch_spec.is_file():
@@ -278,14 +322,8 @@ def plan_resume(
                 for key in frozen
             )
         )
-    complete = paths.complete_checkpoints()
-    if not complete:
-        raise UserError(
-            f"--resume {run_dir}: no complete checkpoint in {paths.checkpoints} (one cut off mid-save does not "
-            "count); start the run again with `colocate-rl train`"
-        )
-    latest, earlier = complete[-1], LaunchSpec.read(paths.launch_spec)
-    deepspeed = json.loads(paths.deepspeed.read_text()) if paths.deepspeed.is_file() else None
+    latest, earlier = _resume_checkpoint(paths, run_dir), LaunchSpec.read(paths.launch_spec)
+    deepspeed = run_deepspeed(paths, earlier)
     recorded = read_yaml(paths.recipe)
     earlier_values = _earlier_version_values(parse_recipe(recorded, str(paths.recipe)), earlier, deepspeed)
     overrides = resolve_override_paths(overrides or {}, cwd)  # the run's recipe.yaml holds absolute paths
@@ -297,7 +335,10 @@ def plan_resume(
             f"--resume {run_dir}: its recipe.yaml leaves {', '.join(left)} auto (written by an earlier colocate-rl), "
             "so the value it trained with is not known; start a new run"
         )
-    resolved = resolve(recipe, host)
+    resolved = resolve(recipe, host, for_launch(preflight(recipe), host))
+    if not earlier_values:  # a run directory of this version: its recipe.yaml must be the one launch.json was made for
+        as_written = resolve(parse_recipe(recorded, str(paths.recipe)), host, resolved.preflight)
+        _check_unedited(paths, replace(as_written, device=earlier.device, deepspeed=deepspeed), earlier.recipe_hash)
     if resolved.world_size != earlier.world_size:
         raise UserError(
             f"--resume {run_dir}: its checkpoints were written by {earlier.world_size} ranks and this launch has "
@@ -310,6 +351,7 @@ def plan_resume(
             f"trainer.max_steps: {resolved.recipe.trainer.max_steps} is not beyond the checkpoint's step {step}; "
             f"raise it (--set trainer.max_steps=N) to train on"
         )
+    check_launch_paths(paths.path, cache_dir(env), this_machine=not host.assumed)
     plan = make_plan(
         resolved,
         run_dir=paths.path,

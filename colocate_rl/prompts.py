@@ -166,6 +166,14 @@ def to_prompt(value, row: int | str, prompt_field: str, chat: bool, system_promp
                 f"data.chat: column '{prompt_field}' already holds chat messages ({row}) but data.chat is false. "
                 "Fix: set data.chat: true."
             )
+        bad = next((i for i, m in enumerate(value) if not isinstance(m.get("content"), (str, list))), None)
+        if bad is not None:
+            content = value[bad].get("content")
+            what = "no content" if "content" not in value[bad] else f"{json_kind(content)} as its content, not text"
+            raise UserError(
+                f"data.prompt_field: chat message {bad} of column '{prompt_field}' at {row} has {what}. Fix: give "
+                "every message a role and a content."
+            )
         if system_prompt and value[0]["role"] != "system":
             return [{"role": "system", "content": system_prompt}] + value
         return value

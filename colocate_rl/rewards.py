@@ -1,6 +1,7 @@
 """Reward functions: the built-in ones and `resolve_reward`, which turns a recipe reward name (a built-in name,
 `package.module:function` or `path/to/file.py:function`) into a TRL reward function
-`fn(prompts, completions, **kwargs) -> list[float | None]`. Importing a reward file runs its code.
+`fn(prompts, completions, **kwargs) -> list[float | None]`. Importing a reward file runs its code; `time_limit` bounds
+how long the pre-flight lets that code (and one call of it) run.
 """
 
 from __future__ import annotations
@@ -10,8 +11,12 @@ import importlib.util
 import inspect
 import os
 import re
+import signal
 import sys
+import threading
+import time
 import zlib
+from contextlib import contextmanager
 from decimal import Decimal
 
 from colocate_rl.errors import UserError, hint_suffix, one_line
@@ -125,6 +130,52 @@ BUILTIN_REWARDS = {
 }
 
 
+REWARD_TIME_LIMIT_S = 60.0  # the pre-flight's limit on importing one reward and on calling it once on a sample
+
+
+class RewardTimeout(BaseException):
+    """`time_limit` ran out in reward code. A BaseException, so that the code's own `except Exception` does not end
+    it; the handlers that report a reward's own errors let it (and Ctrl-C) through: see `USER_CODE_EXITS`."""
+
+
+USER_CODE_EXITS = (KeyboardInterrupt, RewardTimeout)  # what a reward's error handler must not turn into a line
+
+
+@contextmanager
+def time_limit(key: str, what: str):
+    """Run the block (reward code) for at most REWARD_TIME_LIMIT_S seconds: SIGALRM raises RewardTimeout in it (again
+    every second, should the code swallow it), which becomes a UserError naming `key`. Only in the main thread of a
+    POSIX process (where a signal handler can be set); elsewhere the block runs without a limit. A timer and handler
+    set before (pytest-timeout's, say) are put back, the time the block took counted."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+    armed = [True]
+
+    def expire(signum, frame):
+        if armed[0]:
+            raise RewardTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    start = time.monotonic()
+    delay, interval = signal.setitimer(signal.ITIMER_REAL, REWARD_TIME_LIMIT_S, 1.0)  # an earlier timer: put back
+    try:
+        yield
+    except RewardTimeout:
+        armed[0] = False
+        raise UserError(
+            f"{key}: {what} did not end within {REWARD_TIME_LIMIT_S:g} s, the pre-flight's limit; a reward runs on "
+            "every batch of completions: make it return faster, or look for what it waits on (input(), a lock, a "
+            "network call without a timeout)"
+        ) from None
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if delay:
+            signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - start), 1e-3), interval)
+
+
 def _import_file(target: str, key: str):
     """Import `path/to/file.py` (a relative path: from the current directory; a recipe's are absolute by now) as a
     fresh module."""
@@ -148,7 +199,10 @@ def _import_file(target: str, key: str):
     sys.modules[mod_name] = module  # dataclasses, pickling etc. look the module up by name
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except USER_CODE_EXITS:
+        sys.modules.pop(mod_name, None)
+        raise
+    except BaseException as e:  # sys.exit() or a BaseException of its own too: a reward file must only define
         sys.modules.pop(mod_name, None)
         raise UserError(f"{key}: importing reward file '{target}' failed: {one_line(e)}. Fix: correct it.") from e
     return module
@@ -162,7 +216,9 @@ def _import_module(target: str, key: str):
             f"{key}: cannot import module '{target}' ({one_line(e)}). Fix: install it or add its folder to "
             "PYTHONPATH, or write 'path/to/file.py:function'."
         ) from e
-    except Exception as e:
+    except USER_CODE_EXITS:
+        raise
+    except BaseException as e:
         raise UserError(f"{key}: importing module '{target}' failed: {one_line(e)}. Fix: correct that module.") from e
 
 

@@ -14,6 +14,7 @@ import enum
 import errno
 import json
 import os
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -83,6 +84,7 @@ class Case:
     launches: bool = False  # valid for planning: run `train` without --gpus, it must stop at the run directory
     root_skips: bool = False  # root ignores permissions
     could_hang: bool = False  # reads a FIFO: validate runs in a subprocess with a timeout too
+    env: dict[str, str] = field(default_factory=dict)  # more environment (relative paths: under the test's directory)
 
 
 CASES = [
@@ -180,8 +182,22 @@ CASES = [
     Case(
         "json-object-of-columns",  # datasets reads one JSON object as one row, whose prompt is then a list
         with_(data={"source": "d.json"}),
-        ("data.prompt_field: column 'prompt' holds a list at line 1", "Fix:"),
+        ("data.source: '", "/d.json' holds one JSON object, not rows", "Fix: write one JSON object per row"),
         files={"d.json": json.dumps({"prompt": ["a", "b"], "answer": ["1", "2"]}, indent=2)},
+    ),
+    Case(
+        "json-one-object",
+        with_(data={"source": "d.json"}),
+        ("data.source: '", "/d.json' holds one JSON object, not rows", "(.jsonl) or a JSON list of row objects"),
+        files={"d.json": '{"prompt": "What is 1 + 1?", "answer": "2"}\n'},
+    ),
+    Case(
+        "chat-message-without-content",
+        with_(data={"source": "d.jsonl"}),
+        ("data.prompt_field: chat message 1 of column 'prompt' at line 1 has no content", "Fix: give every message"),
+        files={
+            "d.jsonl": json.dumps({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user"}]}) + "\n"
+        },
     ),
     Case(
         "prompt-text-and-messages",
@@ -248,8 +264,47 @@ CASES = [
     Case(
         "reward-returns-text",
         with_(rewards=[{"name": "r.py:score"}]),
-        ("rewards[0].name: reward '", "/r.py:score' returned a str ('good')", "not a number. Fix:"),
+        ("rewards[0].name: reward '", "/r.py:score' returned a str ('good')", "not a finite number. Fix:"),
         files={"r.py": reward_file("    return ['good' for _ in completions]")},
+    ),
+    Case(
+        "reward-returns-nan",
+        with_(rewards=[{"name": "r.py:score"}]),
+        (
+            "rewards[0].name: reward '",
+            "/r.py:score' returned a number (nan) for sample completion 0, not a finite",
+        ),
+        files={"r.py": reward_file("    return [float('nan') for _ in completions]")},
+    ),
+    Case(
+        "reward-returns-inf",
+        with_(rewards=[{"name": "r.py:score"}]),
+        ("/r.py:score' returned a number (inf) for sample completion 0, not a finite number. Fix:",),
+        files={"r.py": reward_file("    return [0.5, float('inf')][: len(completions)][::-1]")},
+    ),
+    Case(
+        "reward-returns-bools",
+        with_(rewards=[{"name": "r.py:score"}]),
+        ("/r.py:score' returned true/false (True) for sample completion 0, not a finite number. Fix:",),
+        files={"r.py": reward_file("    return ['4' in str(c) for c in completions]")},
+    ),
+    Case(
+        "reward-file-exits-at-import",
+        with_(rewards=[{"name": "r.py:score"}]),
+        ("rewards[0].name: importing reward file '", "/r.py' failed: SystemExit: 0. Fix: correct it."),
+        files={"r.py": "import sys\nsys.exit(0)\n" + reward_file("    return [1.0 for _ in completions]")},
+    ),
+    Case(
+        "reward-exits-at-call",
+        with_(rewards=[{"name": "r.py:score"}]),
+        ("/r.py:score' raised SystemExit: 0 when called on a sample completion", "Fix:"),
+        files={"r.py": "import sys\n" + reward_file("    sys.exit(0)")},
+    ),
+    Case(
+        "reward-raises-a-base-exception",
+        with_(rewards=[{"name": "r.py:score"}]),
+        ("/r.py:score' raised Stop: enough when called on a sample completion", "Fix:"),
+        files={"r.py": "class Stop(BaseException):\n    pass\n" + reward_file("    raise Stop('enough')")},
     ),
     Case(
         "reward-file-does-not-import",
@@ -301,6 +356,21 @@ CASES = [
         ("trainer.per_device_train_batch_size: input should be a valid integer, not text: remove the quotes",),
     ),
     Case(
+        "kv-cache-memory-list",
+        with_(generation={"kv_cache_memory": [1, 2]}),
+        ("generation.kv_cache_memory: expected bytes or a size such as 12GiB", "(got a list)"),
+    ),
+    Case(
+        "kv-cache-memory-mapping",
+        with_(generation={"kv_cache_memory": {"gib": 12}}),
+        ("generation.kv_cache_memory: expected bytes or a size such as 12GiB, 512MiB, 20GB",),
+    ),
+    Case(
+        "max-steps-absurd",
+        with_(trainer={"+": {"max_steps": 10**30}}),
+        ("trainer.max_steps: input should be less than or equal to 10000000",),
+    ),
+    Case(
         "sleep-level-true",
         with_(generation={"sleep_level": True}),
         ("generation.sleep_level: must be written as a whole number such as 2, not true",),
@@ -333,6 +403,31 @@ CASES = [
         with_(algorithm="rloo", trainer={"+": {"extra_args": {"log_completions": [1]}}}),
         ("trainer.extra_args.log_completions: TRL's RLOOConfig takes true/false here, got a list",),
     ),
+    Case(
+        "extra-args-top-p-out-of-range",
+        with_(trainer={"+": {"extra_args": {"top_p": 1.5}}}),
+        ("trainer.extra_args.top_p: TRL's GRPOConfig takes more than 0 and at most 1 here, got 1.5",),
+    ),
+    Case(
+        "extra-args-adam-beta-out-of-range",
+        with_(algorithm="rloo", trainer={"+": {"extra_args": {"adam_beta2": 1.0}}}),
+        ("trainer.extra_args.adam_beta2: TRL's RLOOConfig takes from 0 to below 1 here, got 1.0",),
+    ),
+    Case(
+        "extra-args-generation-kwargs-text",
+        with_(trainer={"+": {"extra_args": {"generation_kwargs": "top_p=0.9"}}}),
+        ("trainer.extra_args.generation_kwargs: TRL's GRPOConfig reads text here only as a JSON object",),
+    ),
+    Case(
+        "extra-args-generation-kwargs-values",
+        with_(trainer={"+": {"extra_args": {"generation_kwargs": {"top_k": "ten", "min_p": 2, "n": 4}}}}),
+        (
+            "trainer.extra_args.generation_kwargs.top_k: the sampling takes a number here, got 'ten'",
+            "trainer.extra_args.generation_kwargs.min_p: the sampling takes from 0 to 1 here, got 2",
+            "trainer.extra_args.generation_kwargs.n: each prompt gets one completion per sample",
+        ),
+        lines=3,
+    ),
     # ------------------------------------------------------------------ secrets never reach the run directory
     Case(
         "hub-token-in-recipe",
@@ -344,6 +439,11 @@ CASES = [
         RECIPE_YAML,
         ("distributed.deepspeed_overrides.wandb.api_key: looks like a secret", "WANDB_API_KEY"),
         sets=("distributed.deepspeed=zero3", "distributed.deepspeed_overrides.wandb.api_key=abc123"),
+    ),
+    Case(
+        "secret-in-a-list",
+        with_(trainer={"+": {"extra_args": {"hub_token": ["hf_abcdef"]}}}),
+        ("trainer.extra_args.hub_token[0]: looks like a secret", "put it in the environment instead"),
     ),
     # ------------------------------------------------------------------ the model's config.json
     Case(
@@ -379,6 +479,17 @@ CASES = [
         ),
         files={"m/config.json": b'{"model_type": "\xfe"}'},
     ),
+    Case(
+        "model-unknown-model-type",
+        with_(model={"name": "./m"}),
+        ("model.name: /", "/m/config.json names model_type 'qwen9', which transformers ", "does not know"),
+        files={"m/config.json": '{"model_type": "qwen9", "hidden_size": 8}'},
+    ),
+    Case(
+        "lora-target-modules-empty",
+        with_(model={"name": "builtin:tiny", "lora": {"target_modules": []}}),
+        ("model.lora.target_modules: an empty list adapts nothing", "or write all-linear"),
+    ),
     # ------------------------------------------------------------------ DeepSpeed keys
     Case(
         "deepspeed-override-zero-typo",
@@ -411,6 +522,34 @@ CASES = [
         "deepspeed-override-section-not-a-mapping",
         with_(distributed={"deepspeed": "zero3", "deepspeed_overrides": {"zero_optimization": 3}}),
         ("distributed.deepspeed_overrides.zero_optimization: must be a mapping (a DeepSpeed config section), got 3",),
+    ),
+    Case(
+        "deepspeed-override-stage-as-text",
+        with_(distributed={"deepspeed": "zero3", "deepspeed_overrides": {"zero_optimization": {"stage": "3"}}}),
+        ('distributed.deepspeed_overrides.zero_optimization.stage: DeepSpeed takes 0, 1, 2 or 3, or "auto" here',),
+    ),
+    Case(
+        "deepspeed-override-wrong-kinds",
+        with_(
+            distributed={
+                "deepspeed": "zero3",
+                "deepspeed_overrides": {
+                    "gradient_clipping": "high",
+                    "zero_optimization": {"offload_optimizer": {"device": "gpu"}},
+                },
+            }
+        ),
+        (
+            'distributed.deepspeed_overrides.gradient_clipping: DeepSpeed takes a number of 0 or more, or "auto"',
+            'distributed.deepspeed_overrides.zero_optimization.offload_optimizer.device: DeepSpeed takes "cpu"',
+        ),
+        lines=2,
+    ),
+    Case(
+        "deepspeed-file-wrong-kind",
+        with_(distributed={"deepspeed": "ds.json"}),
+        ("ds.json: zero_optimization.overlap_comm: DeepSpeed takes true/false, null, or \"auto\" here, got 'yes'",),
+        files={"ds.json": '{"zero_optimization": {"stage": 2, "overlap_comm": "yes"}}'},
     ),
     Case(
         "deepspeed-file-unknown-key",
@@ -505,6 +644,21 @@ CASES = [
         launches=True,
     ),
     Case(
+        "run-dir-name-too-long",  # mkdir would fail after making out/
+        RECIPE_YAML,
+        ("output.run_dir: '", "has a name of 300 bytes", "more than the file system takes", "pass a shorter --run-dir"),
+        run_dir="out/" + "a" * 300,
+        launches=True,
+    ),
+    Case(
+        "cache-not-a-directory",  # what root sees of a read-only cache (it may write anywhere): a file in the way
+        RECIPE_YAML,
+        ("XDG_CACHE_HOME: the cache '", "/cache/colocate-rl' cannot be used", "is not a directory", "writable"),
+        files={"cache": "not a directory"},
+        env={"XDG_CACHE_HOME": "cache"},
+        launches=True,
+    ),
+    Case(
         "run-dir-in-read-only-dir",
         RECIPE_YAML,
         ("output.run_dir: cannot create '", "is not writable (read-only or no permission); pass another"),
@@ -543,10 +697,12 @@ def test_bad_input_stops_before_launch(case, tmp_path, monkeypatch):
     before = files_in(tmp_path)
 
     plan = [] if case.launches else ["--gpus", "0"]
+    env = {key: str(tmp_path / value) for key, value in case.env.items()}
+    args = ("train", case.recipe_path, *sets, "--run-dir", case.run_dir, *plan)
     if case.launches or case.could_hang:  # could start torchrun or block this process: a subprocess with a timeout
-        result = cli("train", case.recipe_path, *sets, "--run-dir", case.run_dir, *plan, cwd=tmp_path, timeout=60)
+        result = cli(*args, cwd=tmp_path, env=env, timeout=60)
     else:
-        result = cli_here("train", case.recipe_path, *sets, "--run-dir", case.run_dir, *plan, cwd=tmp_path)
+        result = cli_here(*args, cwd=tmp_path, env=env)
     assert_user_error(result, *case.expect)
     assert len(result.stderr.strip().splitlines()) == case.lines, result.stderr
     assert not os.path.exists(run), f"{run} was created"
@@ -558,7 +714,7 @@ def test_bad_input_stops_before_launch(case, tmp_path, monkeypatch):
             code = checked.returncode
         else:  # in-process: a subprocess's start would take most of the time
             monkeypatch.chdir(tmp_path)
-            checked = CliRunner().invoke(app, ["validate", case.recipe_path, *sets, "--gpus", "0"])
+            checked = CliRunner().invoke(app, ["validate", case.recipe_path, *sets, "--gpus", "0"], env=env)
             code = checked.exit_code
         assert (code, checked.stderr) == (2, result.stderr)
         assert files_in(tmp_path) == before
@@ -688,6 +844,8 @@ def test_yaml_merge_keys_may_be_overridden():
         # not secrets: token counts and ids, special tokens, true ("use the stored token"), nothing set
         ({"generation": {"max_num_batched_tokens": 4096}, "pad_token": "<pad>", "eos_token_id": 2}, []),
         ({"push_to_hub_token": True, "hub_token": None, "api_key": ""}, []),
+        # inside a list or mapping under a secret's name
+        ({"hub_token": ["hf_x"], "api_key": {"prod": "k", "dev": None}}, ["hub_token[0]", "api_key.prod"]),
     ],
 )
 def test_secret_keys(data, found):
@@ -863,3 +1021,364 @@ def test_deepspeed_keys_match_installed_deepspeed():
     assert names(DeepSpeedZeroConfig) == ds.ZERO_KEYS
     assert names(DeepSpeedZeroOffloadOptimizerConfig) == ds.OFFLOAD_KEYS["offload_optimizer"]
     assert names(DeepSpeedZeroOffloadParamConfig) == ds.OFFLOAD_KEYS["offload_param"]
+
+
+# ---------------------------------------------------------------------------------------------- issue 31: reward code
+
+
+@pytest.mark.parametrize(
+    "code, what",
+    [
+        ("import time\ntime.sleep(60)\n" + reward_file("    return [1.0 for _ in completions]"), "importing reward"),
+        ("import time\n" + reward_file("    time.sleep(60)\n    return [1.0 for _ in completions]"), "called on a"),
+        (  # a reward that swallows what it can: the limit is a BaseException
+            "import time\n"
+            + reward_file("    try:\n        time.sleep(60)\n    except Exception:\n        pass\n    return [1.0]"),
+            "called on a",
+        ),
+    ],
+    ids=["sleeps-at-import", "sleeps-at-call", "swallows-exceptions"],
+)
+def test_reward_code_that_does_not_return_is_stopped(code, what, tmp_path, monkeypatch):
+    """The pre-flight runs reward code under a time limit (SIGALRM in the main thread), here 0.5 s instead of 60."""
+    import signal
+    import time
+
+    from colocate_rl import rewards
+
+    monkeypatch.setattr(rewards, "REWARD_TIME_LIMIT_S", 0.5)
+    (tmp_path / "r.py").write_text(code)
+    write_recipe(tmp_path / "recipe.yaml", with_(rewards=[{"name": "r.py:score"}]))
+    handler, (delay, _) = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)
+    start = time.monotonic()
+    result = cli_here("validate", "recipe.yaml", "--gpus", "0", cwd=tmp_path)
+    assert_user_error(result, "rewards[0].name: ", what, "did not end within 0.5 s", one_line=True)
+    assert time.monotonic() - start < 15
+    # an earlier SIGALRM timer (pytest-timeout's) and handler are back, less the time taken
+    assert signal.getsignal(signal.SIGALRM) == handler
+    assert bool(signal.getitimer(signal.ITIMER_REAL)[0]) == bool(delay)
+
+
+# ---------------------------------------------------------------------------------------------- issue 31: this machine
+
+
+def cached_hub_model(home: Path, repo: str, files: tuple[str, ...]) -> None:
+    """A hub model in a Hugging Face cache under `home` (HF_HOME), as `hf download` leaves it."""
+    repo_dir = home / "hub" / f"models--{repo.replace('/', '--')}"
+    snapshot = repo_dir / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text("0123abcd")
+    for name in files:
+        (snapshot / name).write_text('{"model_type": "llama"}' if name == "config.json" else "{}")
+
+
+LOCAL_MODEL = {"config.json": '{"model_type": "llama"}', "tokenizer.json": "{}", "model.safetensors": "x"}
+LAUNCH_CASES = {  # id: (recipe changes, files, the line)
+    "hub-model-offline": (
+        {"model": {"name": "org/NoSuchModel"}},
+        {},
+        "model.name: 'org/NoSuchModel' cannot be fetched (HF_HUB_OFFLINE is set) and is not in the local Hugging "
+        "Face cache; download it once where the hub is reachable (`hf download org/NoSuchModel`)",
+    ),
+    "hub-model-cached-without-weights": (
+        {"model": {"name": "org/Cached"}},
+        {"cache": ("org/Cached", ("config.json", "tokenizer.json"))},
+        "model.name: 'org/Cached' (cached at ",
+    ),
+    "hub-dataset-offline": (
+        {"data": {"source": "someone/SomeData"}},
+        {},
+        "data.source: hub dataset 'someone/SomeData' cannot be fetched (HF_HUB_OFFLINE is set) and is not in the "
+        "local datasets cache",
+    ),
+    "model-without-tokenizer": (
+        {"model": {"name": "./m"}},
+        {k: v for k, v in LOCAL_MODEL.items() if k != "tokenizer.json"},
+        "/m' has no tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json)",
+    ),
+    "model-without-weights": (
+        {"model": {"name": "./m"}},
+        {k: v for k, v in LOCAL_MODEL.items() if k != "model.safetensors"},
+        "/m' holds no weights (no *.safetensors or pytorch_model*.bin)",
+    ),
+}
+
+
+def launch_case(case_id: str, tmp_path: Path) -> dict[str, str]:
+    """Write the case's recipe and files; returns the environment (offline, a cache of its own)."""
+    changes, files, _ = LAUNCH_CASES[case_id]
+    for name, content in files.items():
+        if name == "cache":
+            cached_hub_model(tmp_path / "hf", *content)
+        else:
+            (tmp_path / "m").mkdir(exist_ok=True)
+            (tmp_path / "m" / name).write_text(content)
+    write_recipe(tmp_path / "recipe.yaml", with_(**changes))
+    return {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": "", "HF_DATASETS_CACHE": ""}
+
+
+@pytest.mark.parametrize("case_id", sorted(LAUNCH_CASES))
+def test_what_the_ranks_would_miss_here_stops_validate_and_train(case_id, tmp_path):
+    """Validated for this machine (no --gpus), a model or dataset the ranks could not load here is one line; planned
+    for another machine (--gpus N), which reads them itself, it is not."""
+    env = launch_case(case_id, tmp_path)
+    before = files_in(tmp_path)
+    for args in (("validate", "recipe.yaml"), ("train", "recipe.yaml", "--dry-run", "--run-dir", "RUN")):
+        result = cli_here(*args, cwd=tmp_path, env=env)
+        assert_user_error(result, LAUNCH_CASES[case_id][2], one_line=True)
+    assert files_in(tmp_path) == before
+    planned = cli_here("validate", "recipe.yaml", "--gpus", "0", cwd=tmp_path, env=env)
+    assert planned.returncode == 0, planned.stderr
+
+
+def test_a_hub_model_and_dataset_in_the_cache_pass_offline(tmp_path):
+    env = launch_case("hub-model-offline", tmp_path)
+    cached_hub_model(tmp_path / "hf", "org/NoSuchModel", ("config.json", "tokenizer.json", "model.safetensors"))
+    (tmp_path / "hf" / "datasets" / "someone___some_data" / "default" / "0.0.0" / "abc").mkdir(parents=True)
+    write_recipe(
+        tmp_path / "recipe.yaml",
+        with_(
+            model={"name": "org/NoSuchModel"}, data={"source": "someone/SomeData"}, rewards=[{"name": "digit_share"}]
+        ),
+    )
+    result = cli_here("validate", "recipe.yaml", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_cache_that_cannot_be_written_stops_train_before_anything(tmp_path, monkeypatch):
+    """What a user (not root) sees of a read-only cache, and a file in its way, in the dry run of this machine."""
+    from colocate_rl.plan.launch_checks import check_launch_paths
+
+    write_recipe(tmp_path / "recipe.yaml", BASE)
+    (tmp_path / "afile").write_text("x")
+    result = cli_here(
+        "train", "recipe.yaml", "--dry-run", "--run-dir", "RUN", cwd=tmp_path, env={"XDG_CACHE_HOME": "afile"}
+    )
+    assert_user_error(result, "XDG_CACHE_HOME: the cache 'afile/colocate-rl' cannot be used", one_line=True)
+    cache = tmp_path / "ro" / "colocate-rl"
+    cache.mkdir(parents=True)
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != cache)
+    with pytest.raises(UserError, match=f"'{cache}' is not writable\\); built-in models and compiled"):
+        check_launch_paths(tmp_path / "run", cache, this_machine=True)
+    check_launch_paths(tmp_path / "run", cache, this_machine=False)  # planning for another machine
+
+
+def test_recipes_out_into_a_missing_directory(tmp_path):
+    result = cli_here("recipes", "quickstart", "--out", "missing/dir/file.yaml", cwd=tmp_path)
+    assert_user_error(
+        result, "--out missing/dir/file.yaml: the directory 'missing/dir' does not exist; create it", one_line=True
+    )
+    assert files_in(tmp_path) == []
+    (tmp_path / "mine").mkdir()
+    result = cli_here("recipes", "quickstart", "--out", "mine", cwd=tmp_path)
+    assert result.returncode == 0 and (tmp_path / "mine" / "quickstart.yaml").is_file(), result.stderr
+
+
+# ---------------------------------------------------------------------------------------------- issue 31: resume
+
+
+def zip_file(path: Path, size: int = 4096) -> None:
+    """A file in torch.save's format as far as the check reads it: a zip archive."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data/0", os.urandom(size))
+
+
+def safetensors_file(path: Path) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros((32, 32), dtype=np.float32)}, str(path))
+
+
+def stopped_run(tmp_path: Path, *sets: str, steps: tuple[int, ...] = (2, 4)) -> Path:
+    """A run directory as `train` writes it (BASE on this CPU machine) with whole checkpoints at `steps`, stopped."""
+    from conftest import resolved
+
+    from colocate_rl.pipeline import plan_run
+    from colocate_rl.rundir import CHECKPOINT_COMPLETE, write_run_dir
+
+    run_dir = tmp_path / "run"
+    plan = plan_run(resolved(BASE, CPU, *sets), run_dir, env={}, now=None, cwd=tmp_path)
+    write_run_dir(run_dir, plan.files)
+    for step in steps:
+        checkpoint = run_dir / "checkpoints" / f"checkpoint-{step}"
+        checkpoint.mkdir(parents=True)
+        safetensors_file(checkpoint / "model.safetensors")
+        zip_file(checkpoint / "optimizer.pt")
+        (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        (checkpoint / CHECKPOINT_COMPLETE).write_text("{}")
+    return run_dir
+
+
+def cut(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def test_resume_passes_over_a_checkpoint_cut_off(tmp_path, capsys):
+    from colocate_rl.pipeline import plan_resume
+
+    run_dir = stopped_run(tmp_path)
+    cut(run_dir / "checkpoints" / "checkpoint-4" / "optimizer.pt")
+    _, plan = plan_resume(run_dir, {"trainer.max_steps": 6}, host=CPU, env={}, cwd=tmp_path)
+    assert plan.resume_from == str(run_dir / "checkpoints" / "checkpoint-2")
+    assert json.loads(plan.files["launch.json"])["resume_from"] == plan.resume_from  # what every rank takes
+    note = capsys.readouterr().err
+    assert note.startswith(f"note: {run_dir}/checkpoints/checkpoint-4/optimizer.pt: cut off (")
+    assert note.rstrip().endswith("resuming from checkpoint-2, the newest whole checkpoint")
+
+    cut(run_dir / "checkpoints" / "checkpoint-2" / "model.safetensors")
+    result = cli_here("train", "--resume", run_dir, "--set", "trainer.max_steps=6", "--dry-run", cwd=tmp_path)
+    assert_user_error(
+        result,
+        "--resume ",
+        "no checkpoint is whole (",
+        "checkpoint-4/optimizer.pt: cut off",
+        "checkpoint-2/model.safetensors: cut off",
+        "restore the file from a copy, or start the run again",
+        one_line=True,
+    )
+
+
+def test_checkpoint_files_are_checked_from_their_own_headers(tmp_path):
+    import torch
+
+    from colocate_rl.plan.launch_checks import checkpoint_file_problem
+
+    torch.save({"state": torch.zeros(256)}, tmp_path / "optimizer.pt")
+    torch.save({"state": torch.zeros(256)}, tmp_path / "old.bin", _use_new_zipfile_serialization=False)
+    safetensors_file(tmp_path / "model.safetensors")
+    (tmp_path / "trainer_state.json").write_text('{"global_step": 2}')
+    assert [checkpoint_file_problem(tmp_path / n) for n in sorted(os.listdir(tmp_path))] == [None] * 4
+    for name in ("optimizer.pt", "model.safetensors", "trainer_state.json"):
+        cut(tmp_path / name)
+        assert checkpoint_file_problem(tmp_path / name).startswith(("cut off", "unreadable")), name
+    assert checkpoint_file_problem(tmp_path / "old.bin") is None  # an older pickle: not checked
+    os.truncate(tmp_path / "model.safetensors", 4)
+    assert checkpoint_file_problem(tmp_path / "model.safetensors").startswith("cut off (4 bytes")
+
+
+def test_resume_with_a_broken_deepspeed_json_is_one_line(tmp_path):
+    run_dir = stopped_run(tmp_path, "distributed.deepspeed=zero3")
+    resume = ("train", "--resume", run_dir, "--set", "trainer.max_steps=6", "--dry-run")
+    assert cli_here(*resume, cwd=tmp_path).returncode == 0
+    (run_dir / "deepspeed.json").write_text('{"zero_optimization": {"stage": 3,')
+    assert_user_error(
+        cli_here(*resume, cwd=tmp_path),
+        f"{run_dir}/deepspeed.json: not valid JSON (",
+        "restore the file the run started with",
+        one_line=True,
+    )
+    (run_dir / "deepspeed.json").write_text('{"zero_optimization": {"stage": "three"}}')
+    assert_user_error(cli_here(*resume, cwd=tmp_path), "deepspeed.json: zero_optimization.stage: DeepSpeed takes")
+    (run_dir / "deepspeed.json").unlink()  # launch.json names it: the run trained with DeepSpeed
+    assert_user_error(cli_here(*resume, cwd=tmp_path), "deepspeed.json: DeepSpeed config not found", one_line=True)
+
+
+def test_resume_refuses_a_recipe_edited_by_hand(tmp_path):
+    """The run directory's recipe.yaml edited between the stop and the resume (the learning rate): launch.json's
+    recipe hash was made for the recipe as written."""
+    run_dir = stopped_run(tmp_path)
+    resume = ("train", "--resume", run_dir, "--set", "trainer.max_steps=6", "--dry-run")
+    assert cli_here(*resume, cwd=tmp_path).returncode == 0  # as written, with a change a resume may make
+    text = (run_dir / "recipe.yaml").read_text()
+    edited = re.sub(r"learning_rate: .*", "learning_rate: 0.5", text)
+    assert edited != text
+    (run_dir / "recipe.yaml").write_text(edited)
+    assert_user_error(
+        cli_here(*resume, cwd=tmp_path),
+        f"{run_dir}/recipe.yaml: edited since the run wrote it (its recipe hash is ",
+        "undo the edit",
+        "or start a new run from the edited recipe",
+        one_line=True,
+    )
+
+
+@pytest.mark.slow
+def test_a_cut_off_newest_checkpoint_resumes_from_the_one_before(tmp_path):
+    """End to end: the ranks continue from the checkpoint the launcher checked (launch.json's resume_from), not from
+    the newest complete one, whose optimizer file is cut in half."""
+    from colocate_rl.rundir import RunDir, step_records
+    from colocate_rl.telemetry import events
+
+    write_recipe(tmp_path / "recipe.yaml", with_(trainer={"+": {"max_steps": 4}}, checkpoint={"every_steps": 1}))
+    run_dir = tmp_path / "run"
+    first = cli("train", "recipe.yaml", "--run-dir", run_dir, cwd=tmp_path, timeout=240)
+    assert first.returncode == 0, first.stdout + first.stderr
+    paths = RunDir(run_dir)
+    assert [p.name for p in paths.complete_checkpoints()] == ["checkpoint-2", "checkpoint-3"]
+    paths.done.unlink()  # as if it had stopped after step 4
+    cut(paths.checkpoints / "checkpoint-3" / "optimizer.pt")
+    resumed = cli("train", "--resume", run_dir, "--set", "trainer.max_steps=6", cwd=tmp_path, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "checkpoint-3/optimizer.pt: cut off" in resumed.stderr and "resuming from checkpoint-2" in resumed.stderr
+    assert f"resuming from {paths.checkpoints / 'checkpoint-2'}" in resumed.stdout
+    [event] = events.read_events(run_dir, events.RESUMED)
+    assert event["step"] == 2
+    assert [r["step"] for r in step_records(run_dir)] == list(range(1, 7))
+
+
+# ---------------------------------------------------------------------------------------------- issue 31: the pins
+
+
+def test_trl_ranges_name_trl_fields():
+    from colocate_rl.plan.trl_args import JSON_TEXT_FIELDS, TRL_RANGES, trl_value_kinds
+
+    kinds = trl_value_kinds("grpo")
+    assert set(TRL_RANGES) - {"max_tokens"} <= set(kinds)  # max_tokens: vLLM's, inside generation_kwargs
+    assert all(set(kinds[k]["kinds"]) & {"int", "float"} for k in TRL_RANGES if k in kinds)
+    assert all(set(kinds[k]["kinds"]) >= {"dict", "str"} for k in JSON_TEXT_FIELDS)
+
+
+def test_deepspeed_value_forms_match_installed_deepspeed():
+    """DEEPSPEED_VALUES of `zero_optimization` and its offload blocks are the fields of DeepSpeed's pydantic models:
+    bool / int with its bound / a fraction / the stage / the device, optional or not (each takes "auto")."""
+    pytest.importorskip("deepspeed")
+    from annotated_types import Ge, Gt, Le
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+
+    from colocate_rl.plan import deepspeed as ds
+
+    def forms(info) -> set[str] | None:
+        args = typing.get_args(info.annotation) or (info.annotation,)
+        kind = next(a for a in args if a is not type(None))
+        bounds = {type(m): m for m in info.metadata}
+        form = {bool: "bool", str: "text", Path: "text"}.get(kind)
+        if kind is int:
+            form = "int>=0" if Ge in bounds else "int>0" if Gt in bounds else "int"
+        elif kind is float and Ge in bounds and Le in bounds:
+            form = "0..1"
+        elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+            form = "stage" if "Stage" in kind.__name__ else "device"
+        if form is None:
+            return None  # a section (offload blocks, zenflow, leaf_module)
+        return {form, "auto"} | ({"null"} if type(None) in args else set())
+
+    for model, prefix in (
+        (DeepSpeedZeroConfig, "zero_optimization."),
+        (DeepSpeedZeroOffloadOptimizerConfig, "zero_optimization.offload_optimizer."),
+        (DeepSpeedZeroOffloadParamConfig, "zero_optimization.offload_param."),
+    ):
+        for name, info in model.model_fields.items():
+            expected = forms(info)
+            for key in {name, info.alias} - {None}:
+                got = ds.DEEPSPEED_VALUES.get(prefix + key)
+                assert (set(got.split("|")) if got else None) == expected, prefix + key
+
+
+def test_model_types_read_from_transformers_source_are_its_own():
+    """The model types `model_config` reads from transformers' source (no import: it pulls in torch) are among those
+    AutoConfig knows, and nearly all of them; a type missing from the file list is confirmed through the import."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from colocate_rl.model_config import _listed_model_types, model_type_known
+
+    listed = _listed_model_types()
+    assert listed <= set(CONFIG_MAPPING_NAMES) and len(listed) > 0.95 * len(CONFIG_MAPPING_NAMES)
+    assert model_type_known("gpt-sw3") and not model_type_known("qwen9")  # gpt-sw3: added at import only

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Annotated
@@ -18,7 +19,8 @@ from colocate_rl.errors import UserError
 def recipes(
     name: Annotated[str | None, typer.Argument(metavar="NAME", help="Shipped recipe or script to copy out.")] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", metavar="FILE", help="Where to copy it (default ./NAME.yaml).")
+        Path | None,
+        typer.Option("--out", metavar="FILE", help="File to copy it to, or a directory (default ./NAME.yaml)."),
     ] = None,
 ) -> None:
     """List the shipped recipes and cluster launch scripts, one line each, or copy one out to edit (`colocate-rl
@@ -44,15 +46,25 @@ def recipes(
             f"{name}: no shipped recipe or launch script of that name; "
             + (did_you_mean(name, known) or f"shipped: {', '.join(known)}")
         )
-    target = out or Path(f"{name}.yaml" if name in shipped else name)
-    if target.exists():
+    default = Path(f"{name}.yaml" if name in shipped else name)
+    target = out / default if out is not None and out.is_dir() else out or default  # a directory: NAME in it
+    if os.path.lexists(target):
         raise UserError(f"{target}: already exists; pass --out with another file name")
+    if not target.parent.is_dir():
+        raise UserError(
+            f"--out {target}: the directory '{target.parent}' does not exist; create it first, or give a file in an "
+            "existing directory"
+        )
+    try:
+        shutil.copyfile(shipped.get(name) or scripts[name], target)
+        if name not in shipped:
+            target.chmod(0o755)
+    except OSError as e:
+        target.unlink(missing_ok=True)
+        raise UserError(f"--out {target}: cannot write it ({e.strerror or e}); give a file in a writable directory")
     if name in shipped:
-        shutil.copyfile(shipped[name], target)
         console.print(f"wrote {target}; run it with: colocate-rl train {target}")
     else:
-        shutil.copyfile(scripts[name], target)
-        target.chmod(0o755)
         console.print(f"wrote {target}; its header says how to run it")
 
 

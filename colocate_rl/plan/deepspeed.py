@@ -73,9 +73,102 @@ OFFLOAD_KEYS = {
 }  # fmt: skip
 
 
+def _whole(v: Any) -> bool:  # JSON configs often write 1e9 for a count: a whole float counts
+    return not isinstance(v, bool) and (isinstance(v, int) or (isinstance(v, float) and v.is_integer()))
+
+
+def _number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float))
+
+
+# The forms a DeepSpeed value takes: (how a message says it, the test).
+_FORMS: dict[str, tuple[str, Any]] = {
+    "bool": ("true/false", lambda v: isinstance(v, bool)),
+    "null": ("null", lambda v: v is None),
+    "auto": ('"auto"', lambda v: v == "auto"),
+    "text": ("text", lambda v: isinstance(v, str)),
+    "int": ("a whole number", _whole),
+    "int>=0": ("a whole number of 0 or more", lambda v: _whole(v) and v >= 0),
+    "int>0": ("a whole number above 0", lambda v: _whole(v) and v > 0),
+    "num>=0": ("a number of 0 or more", lambda v: _number(v) and v >= 0),
+    "num>0": ("a number above 0", lambda v: _number(v) and v > 0),
+    "0..1": ("a number from 0 to 1", lambda v: _number(v) and 0 <= v <= 1),
+    "stage": ("0, 1, 2 or 3", lambda v: _whole(v) and v in (0, 1, 2, 3)),
+    "device": ('"cpu", "nvme" or "none"', lambda v: v in ("cpu", "nvme", "none")),
+}
+_ZERO_BOOLS = (
+    "contiguous_gradients reduce_scatter use_multi_rank_bucket_allreduce allgather_partitions compute_grad_norm "
+    "load_from_fp32_weights elastic_checkpoint gather_16bit_weights_on_model_save stage3_gather_16bit_weights_on_model_save "
+    "use_all_reduce_for_fetch_params stage3_use_all_reduce_for_fetch_params allgather_sequential "
+    "stage3_allgather_sequential stage3_gather_fp16_weights_on_model_save ignore_unused_parameters legacy_stage1 "
+    "round_robin_gradients parameter_alignment zero_quantized_weights zero_quantized_nontrainable_weights "
+    "zero_quantized_gradients memory_efficient_linear pipeline_loading_checkpoint override_module_apply "
+    "log_trace_cache_warnings enable_sanity_checks save_muon_momentum_buffer_in_memory"
+).split()
+_ZERO_COUNTS = (
+    "allgather_bucket_size sub_group_size zero_hpz_partition_size prefetch_bucket_size stage3_prefetch_bucket_size "
+    "param_persistence_threshold stage3_param_persistence_threshold model_persistence_threshold "
+    "stage3_model_persistence_threshold max_live_parameters stage3_max_live_parameters max_reuse_distance "
+    "stage3_max_reuse_distance"
+).split()
+_OFFLOAD = {"device": "device", "nvme_path": "text|null", "buffer_count": "int>=0", "pin_memory": "bool"}
+# Value forms of the keys DeepSpeed (and transformers, for "auto") checks only on the ranks. Those of
+# `zero_optimization` and its offload blocks are the fields of DeepSpeed's pydantic models (tests/test_bad_inputs.py
+# checks them against the installed DeepSpeed), which take "auto" for their default; the top level is read key by key.
+DEEPSPEED_VALUES: dict[str, str] = {
+    **dict.fromkeys(
+        ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"), "int>0|auto"
+    ),
+    "gradient_clipping": "num>=0|auto",
+    "steps_per_print": "int>0",
+    "gradient_predivide_factor": "num>0",
+    **dict.fromkeys(
+        ("wall_clock_breakdown", "memory_breakdown", "prescale_gradients", "zero_allow_untested_optimizer"), "bool"
+    ),
+    **{f"{p}.enabled": "bool|auto" for p in ("bf16", "fp16")},
+    **{f"fp16.{k}": "int>=0" for k in ("initial_scale_power", "loss_scale_window", "hysteresis")},
+    "fp16.loss_scale": "num>=0",
+    "zero_optimization.stage": "stage|auto",
+    "zero_optimization.reduce_bucket_size": "int>0|auto",
+    "zero_optimization.module_granularity_threshold": "int|auto",
+    "zero_optimization.stage3_module_granularity_threshold": "int|auto",
+    **{f"zero_optimization.{k}": "bool|null|auto" for k in ("overlap_comm", "cpu_offload", "cpu_offload_param")},
+    "zero_optimization.cpu_offload_use_pin_memory": "bool|null|auto",
+    **{f"zero_optimization.{k}": "bool|auto" for k in _ZERO_BOOLS},
+    **{f"zero_optimization.{k}": "int>=0|auto" for k in _ZERO_COUNTS},
+    **{f"zero_optimization.offload_param.{k}": f"{v}|auto" for k, v in _OFFLOAD.items()},
+    **{f"zero_optimization.offload_param.{k}": "int>=0|auto" for k in ("buffer_size", "max_in_cpu")},
+    **{f"zero_optimization.offload_optimizer.{k}": f"{v}|auto" for k, v in _OFFLOAD.items()},
+    **{
+        f"zero_optimization.offload_optimizer.{k}": "bool|auto"
+        for k in ("pipeline_read", "pipeline_write", "fast_init", "super_offload")
+    },
+    **{f"zero_optimization.offload_optimizer.{k}": "0..1|auto" for k in ("ratio", "cpuadam_cores_perc")},
+}
+
+
+def _value_problems(config: dict[str, Any], name) -> list[str]:
+    """One line per DEEPSPEED_VALUES key of `config` whose value has none of its forms (`name` words the key)."""
+    problems = []
+    for path, spec in DEEPSPEED_VALUES.items():
+        *sections, key = path.split(".")
+        section: Any = config
+        for part in sections:
+            section = section.get(part) if isinstance(section, dict) else None
+        if not isinstance(section, dict) or key not in section:
+            continue
+        value, forms = section[key], spec.split("|")
+        if not any(_FORMS[form][1](value) for form in forms):
+            wanted = [_FORMS[form][0] for form in forms]
+            text = ", ".join(wanted[:-1]) + ", or " + wanted[-1] if len(wanted) > 1 else wanted[0]
+            problems.append(f"{name(path)}: DeepSpeed takes {text} here, got {value!r}; fix the value")
+    return problems
+
+
 def check_deepspeed_keys(config: Any, where: str, file: bool = False) -> list[str]:
     """One line per key of a DeepSpeed config (or of overrides merged into one) that DeepSpeed does not know, at
-    the top level, in `zero_optimization` and in its offload blocks, and per section that is not a mapping. `where`
+    the top level, in `zero_optimization` and in its offload blocks, per section that is not a mapping, and per value
+    of the wrong kind or range (`DEEPSPEED_VALUES`). `where`
     names the config: the recipe key `distributed.deepspeed_overrides`, or the JSON file (`file`)."""
     if not isinstance(config, dict):
         return [f"{where}: must be a mapping of DeepSpeed config keys, got {config!r}"]
@@ -104,7 +197,7 @@ def check_deepspeed_keys(config: Any, where: str, file: bool = False) -> list[st
                 problems += [unknown(f"zero_optimization.{block}.", key, known) for key in value]
             elif value is not None:
                 problems.append(f"{name('zero_optimization.' + block)}: must be a mapping or null, got {value!r}")
-    return [p for p in problems if p]
+    return [p for p in problems if p] + _value_problems(config, name)
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -202,7 +295,7 @@ def build_deepspeed_config(
             "set distributed.zero_stage: 3 or offload_params: false"
         )
     for name in ("bf16", "fp16"):
-        enabled = config.get(name, {}).get("enabled", False)
+        enabled = (config.get(name) or {}).get("enabled", False)
         wanted = precision == name
         if enabled == "auto":
             config[name]["enabled"] = wanted

@@ -23,7 +23,7 @@ class LaunchSpec:
     trl_args: dict[str, Any]  # TRL GRPOConfig/RLOOConfig arguments
     engine: EngineOptions | None  # colocate-rl's vLLM engine; None: TRL's engine or no vLLM
     recipe_hash: str  # the recipe identity the run dir's files were written for
-    resume_from: str | None = None  # `train --resume`: the checkpoint planned; the ranks take the newest complete one
+    resume_from: str | None = None  # `train --resume`: the checkpoint the launcher checked whole; every rank takes it
     # What the ranks would otherwise derive from the recipe; a launch.json of an earlier version lacks them (`read`)
     builtin_model: bool = False  # model_path is the run dir's built-in model (its tokenizer loads the way it was saved)
     model_dtype: str = "float32"  # the weights' dtype: training (TRL's model_init_kwargs) and final/

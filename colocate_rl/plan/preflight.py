@@ -8,7 +8,10 @@ hub dataset is not opened; a hub model's own config is fetched only by the memor
 result is frozen: binding to a host, choosing the `auto` values, estimating and recommending are pure functions of
 it and the recipe (`colocate_rl.plan.resolve`, `colocate_rl.memory`), so a command that plans many variants of one
 recipe (`mem-probe --estimate`) reads and runs the user's code once. Problems are collected, not raised: the binding
-raises them together with its own.
+raises them together with its own. Reward code runs under `colocate_rl.rewards.time_limit` (SIGALRM in the main
+thread): an import or a sample call that does not return in time is a problem line, as is one that calls sys.exit().
+What only a launch needs (`launch_problems`: a local model's tokenizer and weights; a hub model or dataset when the
+hub cannot be reached and the cache lacks it) is kept apart: planning for another machine or estimating needs none.
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ from typing import Any
 from colocate_rl.builtin_model import LAYOUTS, builtin_layout
 from colocate_rl.data_check import DataSample
 from colocate_rl.errors import UserError
-from colocate_rl.model_config import gguf_problem
+from colocate_rl.model_config import (
+    gguf_problem,
+    hub_model_problems,
+    model_files_problems,
+    model_type_problem,
+)
 from colocate_rl.plan.evaluation import check_eval
 from colocate_rl.plan.lora import check_lora_targets
 from colocate_rl.recipe.schema import Recipe
@@ -37,6 +45,7 @@ def _reads(recipe: Recipe) -> str:
         "rewards": [r.model_dump(mode="json") for r in recipe.rewards],
         "eval": recipe.eval.model_dump(mode="json"),
         "seed": recipe.trainer.seed,
+        "trust_remote_code": recipe.trainer.extra_args.get("trust_remote_code"),
     }
     return json.dumps(parts, sort_keys=True, default=str)
 
@@ -52,6 +61,7 @@ class Preflight:
     sample: DataSample | None  # data.source's first rows; None for a hub dataset or data that was refused
     problems: tuple[str, ...] = ()  # model, data and reward lines, in that order
     eval_problems: tuple[str, ...] = ()  # the eval section's (besides its schedule)
+    launch_problems: tuple[str, ...] = ()  # what the ranks would miss on this machine (see the module docstring)
 
     def matches(self, recipe: Recipe) -> bool:
         """Whether this pre-flight read what `recipe` names (a variant that changes only other keys reuses it)."""
@@ -71,9 +81,9 @@ def _check_model(recipe: Recipe) -> tuple[str | None, dict[str, Any] | None, lis
     if gguf:
         return None, None, [gguf]
     path = Path(name).expanduser()
-    looks_local = name.startswith((".", "/", "~")) or os.path.exists(path)  # never raises, unlike Path.exists
+    local = name.startswith((".", "/", "~")) or os.path.exists(path)  # never raises, unlike Path.exists
     config = path / "config.json"
-    if looks_local and not os.path.lexists(config):
+    if local and not os.path.lexists(config):
         return (
             None,
             None,
@@ -82,9 +92,29 @@ def _check_model(recipe: Recipe) -> tuple[str | None, dict[str, Any] | None, lis
                 "give a local model directory, a hub id, or builtin:tiny"
             ],
         )
-    if looks_local:
-        return None, *_read_model_config(config)
+    if local:
+        data, problems = _read_model_config(config)
+        trust = recipe.trainer.extra_args.get("trust_remote_code") is True
+        problem = data and model_type_problem(data, str(config), "model.name", trust)
+        return (None, None, [problem]) if problem else (None, data, problems)
     return None, None, []
+
+
+def _launch_problems(recipe: Recipe, layout: str | None, config: dict[str, Any] | None, model_ok: bool) -> list[str]:
+    """What the ranks would miss here: a local model's tokenizer and weights (once its config.json was read), a hub
+    model or hub dataset (data.source, eval.source) that cannot be fetched and is not cached."""
+    from colocate_rl.data_check import hub_dataset_problem
+
+    name, problems = recipe.model.name, []
+    if model_ok and layout is None:
+        local = config is not None
+        problems += model_files_problems(Path(name).expanduser(), f"'{name}'", "model.name") if local else []
+        problems += hub_model_problems(name, "model.name") if not local else []
+    for source, key in ((recipe.data.source, "data.source"), (recipe.eval.source, "eval.source")):
+        problem = source and hub_dataset_problem(source, key)
+        if problem:
+            problems.append(problem)
+    return problems
 
 
 def _read_model_config(config: Path) -> tuple[dict[str, Any] | None, list[str]]:
@@ -134,8 +164,9 @@ def _check_rewards(
     imports, finds the columns it needs in the data, and returns one number per completion when called once on a
     sample completion of the data's first rows (not for a hub dataset, which is not opened); every reward model is a
     one-label sequence classifier (its config read, the model not loaded)."""
-    from colocate_rl.data_check import check_reward_model, check_reward_on_sample
-    from colocate_rl.rewards import resolve_reward, reward_columns
+    from colocate_rl.data_check import check_reward_on_sample
+    from colocate_rl.model_config import check_reward_model
+    from colocate_rl.rewards import resolve_reward, reward_columns, time_limit
 
     functions, configs, problems = {}, {}, []
     for i, reward in enumerate(recipe.rewards):
@@ -149,7 +180,8 @@ def _check_rewards(
             continue
         key = f"rewards[{i}].name"
         try:
-            fn = functions[i] = resolve_reward(reward.name, key=key)
+            with time_limit(key, f"importing reward '{reward.name}'"):
+                fn = functions[i] = resolve_reward(reward.name, key=key)
         except UserError as e:
             problems.extend(e.lines)
             continue
@@ -187,4 +219,5 @@ def preflight(recipe: Recipe) -> Preflight:
         sample=sample,
         problems=(*model_problems, *data_problems, *reward_problems),
         eval_problems=tuple(check_eval(recipe, sample, functions)),
+        launch_problems=tuple(_launch_problems(recipe, layout, config, not model_problems)),
     )

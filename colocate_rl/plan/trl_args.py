@@ -5,6 +5,7 @@ preset nor `trainer.extra_args` can override them). Torch-free."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -154,6 +155,68 @@ def trl_value_kinds(trainer: str) -> dict[str, dict[str, list]]:
     return data["types"][trainer]
 
 
+def _at_least(low: float, open_: bool = False) -> tuple[Callable[[float], bool], str]:
+    return (lambda v: v > low, f"more than {low:g}") if open_ else (lambda v: v >= low, f"{low:g} or more")
+
+
+# Ranges of TRL fields that TRL, transformers, torch or the generation engine check only on the ranks, for the values
+# `trainer.extra_args` may set (and the same sampling names inside `generation_kwargs`).
+TRL_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "top_p": (lambda v: 0 < v <= 1, "more than 0 and at most 1"),
+    "min_p": (lambda v: 0 <= v <= 1, "from 0 to 1"),
+    "top_k": (lambda v: v >= 0, "0 (no top-k filter) or more"),
+    "top_entropy_quantile": (lambda v: 0 <= v <= 1, "from 0 to 1"),
+    "adam_beta1": (lambda v: 0 <= v < 1, "from 0 to below 1"),
+    "adam_beta2": (lambda v: 0 <= v < 1, "from 0 to below 1"),
+    "repetition_penalty": _at_least(0, open_=True),
+    "temperature": _at_least(0, open_=True),
+    "delta": _at_least(0, open_=True),
+    "num_train_epochs": _at_least(0, open_=True),
+    "vllm_importance_sampling_cap": _at_least(0, open_=True),
+    **dict.fromkeys(("num_iterations", "steps_per_generation", "generation_batch_size", "max_tokens"), _at_least(1)),
+    **dict.fromkeys(
+        ("epsilon", "epsilon_high", "warmup_steps", "weight_decay", "max_grad_norm", "adam_epsilon"), _at_least(0)
+    ),
+    "dataloader_num_workers": _at_least(0),
+}
+# Fields TRL's config reads as a mapping also when given as text: the text must then be a JSON object.
+JSON_TEXT_FIELDS = {"generation_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs"}
+
+
+def _range_problem(path: str, key: str, value: Any, whose: str) -> str | None:
+    """The line for a number outside TRL_RANGES[key] (`whose`: what reads it), or None."""
+    if key not in TRL_RANGES or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    within, wanted = TRL_RANGES[key]
+    return None if within(value) else f"{path}: {whose} takes {wanted} here, got {value!r}; fix the value"
+
+
+def _mapping_problems(path: str, key: str, value: Any, config_name: str) -> list[str]:
+    """A JSON_TEXT_FIELDS value given as text must be a JSON object; `generation_kwargs` names the engine's sampling
+    options: their ranges, and not `n` (one completion per prompt: the group comes from trainer.num_generations)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.lstrip().startswith("{") else None
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            return [f"{path}: TRL's {config_name} reads text here only as a JSON object ('{{...}}'); write a mapping"]
+    if key != "generation_kwargs" or not isinstance(value, dict):
+        return []
+    problems = []
+    for name, item in value.items():
+        if name == "n":
+            problems.append(
+                f"{path}.n: each prompt gets one completion per sample (the group size is trainer.num_generations); "
+                "remove it and set trainer.num_generations"
+            )
+        elif name in TRL_RANGES and (isinstance(item, bool) or not isinstance(item, (int, float))):
+            problems.append(f"{path}.{name}: the sampling takes a number here, got {item!r}; fix the value")
+        else:
+            problems.append(_range_problem(f"{path}.{name}", str(name), item, "the sampling"))
+    return [p for p in problems if p]
+
+
 def _value_kind(value: Any) -> str:
     if value is None:
         return "null"
@@ -225,6 +288,9 @@ def check_extra_args(recipe: Recipe) -> list[str]:
             problems.append(f"{path}: not a field of TRL {config_name}; {hint}")
         elif key in value_kinds:
             problem = _check_trl_value(path, value, value_kinds[key], config_name)
+            problem = problem or _range_problem(path, key, value, f"TRL's {config_name}")
             if problem:
                 problems.append(problem)
+            elif key in JSON_TEXT_FIELDS:
+                problems += _mapping_problems(path, key, value, config_name)
     return problems + algorithm.problems(recipe)

@@ -20,7 +20,7 @@ from typing import Any
 
 from colocate_rl.errors import StaleWeightsError, UserError
 from colocate_rl.plan.launch_spec import LaunchSpec
-from colocate_rl.rundir import RunDir, read_jsonl
+from colocate_rl.rundir import CHECKPOINT_COMPLETE, RunDir, read_jsonl
 from colocate_rl.telemetry import events
 
 
@@ -267,11 +267,9 @@ def run(run_dir: Path) -> None:
     paths = RunDir(run_dir)
     recipe, launch, trainer, checkpoints = build_trainer(run_dir)
     resume_from = launch.resume_from
-    if resume_from is not None:  # the newest complete one: a resumed run's launch.sh run again continues from there
-        complete = paths.complete_checkpoints()
-        if not complete:
-            raise UserError(f"{paths.checkpoints}: no complete checkpoint left to resume from; start a new run")
-        resume_from = str(complete[-1])
+    if resume_from is not None:  # the one the launcher checked whole (plan_resume): every rank takes the same
+        if not (Path(resume_from) / CHECKPOINT_COMPLETE).is_file():
+            raise UserError(f"{resume_from}: no longer complete; resume with `colocate-rl train --resume {run_dir}`")
         if trainer.is_world_process_zero():
             step = int(Path(resume_from).name.rpartition("-")[2])
             events.emit(run_dir, events.RESUMED, step=step, checkpoint=resume_from)

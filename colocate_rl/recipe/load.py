@@ -213,16 +213,16 @@ def _secret_name(name: str) -> bool:
     return bool(set(re.split(r"[^a-z0-9]+", name)) & SECRET_WORDS) or any(p in name for p in SECRET_PHRASES)
 
 
-def secret_keys(data: Any, prefix: str = "") -> list[str]:
-    """Dotted keys of `data` whose name says they hold a secret (a token, password, API key) and that hold one (text
-    or a number; null, empty and true/false are not secrets). The recipe is copied into the run directory."""
-    found = []
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+def secret_keys(data: Any, prefix: str = "", named: bool = False) -> list[str]:
+    """Dotted keys of `data` whose name, or an enclosing key's (`named`), says they hold a secret (a token, password,
+    API key) and that hold one (text or a number; not null, empty or true/false): the recipe goes to the run dir."""
+    found, items = [], data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
     for key, value in items:
         dotted = f"{prefix}[{key}]" if isinstance(key, int) else f"{prefix}.{key}" if prefix else str(key)
+        secret = named or (isinstance(key, str) and _secret_name(key))
         if isinstance(value, (dict, list)):
-            found += secret_keys(value, dotted)
-        elif isinstance(key, str) and _secret_name(key) and value not in (None, "") and not isinstance(value, bool):
+            found += secret_keys(value, dotted, secret)
+        elif secret and value not in (None, "") and not isinstance(value, bool):
             found.append(dotted)
     return found
 

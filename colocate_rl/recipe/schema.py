@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from colocate_rl import algorithms
-from colocate_rl.recipe.values import SEED_MAX, Count, Index, check_repo_id, parse_size, whole
+from colocate_rl.recipe.values import MAX_STEPS, SEED_MAX, Count, Index, check_repo_id, parse_size, some_modules, whole
 
 
 class _Section(BaseModel):
@@ -40,6 +40,7 @@ class LoraSection(_Section):
         description="Module names that get adapters (e.g. [q_proj, v_proj]), or all-linear: every linear layer "
         "but the output head.",
     )
+    _targets_given = field_validator("target_modules", mode="before")(some_modules)
     save_merged: bool = Field(
         False, description="Also save the base model with the adapter merged in to <run_dir>/final/merged."
     )
@@ -130,7 +131,7 @@ class TrainerSection(_Section):
         8, ge=2, description="Completions sampled per prompt (the group size)."
     )
     max_completion_length: Count = Field(256, description="Maximum generated tokens per completion.")
-    max_steps: Count = Field(100, description="Optimizer steps to run.")
+    max_steps: Count = Field(100, le=MAX_STEPS, description=f"Optimizer steps to run (at most {MAX_STEPS:,}).")
     beta: NonNegativeFloat = Field(0.0, description="KL coefficient against the reference model (0 = no reference).")
     temperature: PositiveFloat = Field(1.0, description="Sampling temperature.")
     seed: Annotated[int, Strict()] = Field(

@@ -27,6 +27,8 @@ def parse_size(value: int | str) -> int:
         raise ValueError("expected a size such as 12GiB")
     if isinstance(value, (int, float)):
         size = float(value)
+    elif not isinstance(value, str):
+        raise ValueError("expected bytes or a size such as 12GiB, 512MiB, 20GB")
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", value)
         unit = match.group(2).lower() if match else None
@@ -41,6 +43,7 @@ def parse_size(value: int | str) -> int:
 # Whole numbers as written: pydantic alone would take 8.0, 1.0e+9 or "8" for an int and true for 1.
 Count = Annotated[PositiveInt, Strict()]
 Index = Annotated[NonNegativeInt, Strict()]
+MAX_STEPS = 10_000_000  # trainer.max_steps: months at a second a step; 10**30 would only train without end
 SEED_MAX = 2**32 - 1  # numpy's seeding (transformers' set_seed) takes 0 … 2**32 - 1
 # A Hub repo id as huggingface_hub's validate_repo_id takes it: `name` or `owner/name`, each part 1-96 letters, digits,
 # '-', '_' and '.' that starts and ends with a letter, digit or '_'; no '--' or '..', no '.git' at the end.
@@ -52,6 +55,13 @@ def whole(value: Any) -> Any:
     """A number as written for a choice of whole numbers (`sleep_level`, `zero_stage`): true or 2.0 is refused."""
     if isinstance(value, (bool, float)):
         raise ValueError(f"must be written as a whole number such as 2, not {str(value).lower()}")
+    return value
+
+
+def some_modules(value: Any) -> Any:
+    """`model.lora.target_modules` as written: an empty list would adapt nothing (PEFT refuses it on every rank)."""
+    if isinstance(value, list) and not value:
+        raise ValueError("an empty list adapts nothing; name the modules (such as q_proj, v_proj) or write all-linear")
     return value
 
 
