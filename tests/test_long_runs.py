@@ -213,10 +213,12 @@ def test_the_watchdog_stops_a_job_whose_rank_is_stopped(tmp_path):
 
 @pytest.mark.slow
 def test_a_nan_reward_stops_the_run(tmp_path):
-    # finite when validation calls it on a sample completion, NaN on the ranks (torchrun sets RANK)
+    # finite when validation calls it on a sample completion (which refuses NaN), NaN on the ranks: told apart by the
+    # trainer state TRL passes (validation's is a stand-in; RANK in the environment may leak from in-process tests)
     (tmp_path / "nan_reward.py").write_text(
-        "import os\n\n\ndef reward(completions, **kwargs):\n"
-        "    return [float('nan') if 'RANK' in os.environ else 0.0] * len(completions)\n"
+        "def reward(completions, trainer_state=None, **kwargs):\n"
+        "    on_a_rank = type(trainer_state).__name__ == 'TrainerState'\n"
+        "    return [float('nan') if on_a_rank else 0.0] * len(completions)\n"
     )
     run_dir = tmp_path / "run"
     result = cli(
