@@ -113,6 +113,8 @@ def make_engine(monkeypatch, model, events, **options):
         {"tensor_parallel_size": 1},
         gather=lambda params: contextlib.nullcontext(),
     )
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "0")  # start() sets them for vLLM: put back as they were after the test
     monkeypatch.setattr(eng, "_new_llm", lambda: FakeLLM(model, events))
     monkeypatch.setattr(E, "empty_cache", lambda: events.append(("empty_cache",)))
     eng.start()  # as the trainer starts it: at sleep level 1 or 2 it goes to sleep at once
