@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from colocate_rl.plan.engine_options import EngineOptions
+from colocate_rl.plan.launch_plan import cache_dir, extensions_dir
 from colocate_rl.rank import vllm_engine as E
 from colocate_rl.rank import weights as W
 from colocate_rl.recipe.schema import GenerationSection
@@ -471,7 +472,7 @@ def test_zero3_bucketed_push_gathers_full_weights_on_two_ranks(tmp_path, bucket_
         **os.environ,
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
-        "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / "colocate-rl" / "torch_extensions"),
+        "TORCH_EXTENSIONS_DIR": str(extensions_dir(cache_dir(os.environ), sys.executable)),  # as the ranks' own
     }
     result = subprocess.run(
         [
