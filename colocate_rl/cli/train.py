@@ -247,7 +247,7 @@ def train(
             if run_dir is not None:
                 raise UserError("--run-dir: a resumed run stays in its own directory; drop --run-dir")
             if not dry_run and not (resume / NODES_DIR).is_dir():  # one node: refused at once while the run is live
-                lock = owner.take(resume, create=False)
+                lock = owner.take(resume, create=False, command=_command())
             from colocate_rl.pipeline import plan_resume
             from colocate_rl.plan.host import planning_host
 
@@ -292,7 +292,7 @@ def train(
                 "--dry-run); a real run uses the GPUs it finds"
             )
         if lock is None:  # held until this process ends: a second launch of this run (on this node) is refused
-            lock = owner.take(plan.run_dir, plan.node_dir, create=plan.resume_from is None)
+            lock = owner.take(plan.run_dir, plan.node_dir, create=plan.resume_from is None, command=_command())
         if plan.resume_from is None:
             lock.claim()
         if note:
@@ -322,6 +322,13 @@ def train(
     finally:
         if lock is not None:
             lock.release()
+
+
+def _command() -> str:
+    """This command line as the user typed it, for the owner lock (`python -m colocate_rl` shows as colocate-rl)."""
+    import shlex
+
+    return shlex.join(["colocate-rl", *sys.argv[1:]])
 
 
 def _launch(plan, lock, verbose: bool, watchdog) -> int:

@@ -90,10 +90,10 @@ def take(run_dir: Path, node_dir: str | None = None, *, create: bool = True, com
     try:
         lock.fd = os.open(lock.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        lock.discard()
-        raise UserError(
-            f"output.run_dir: cannot write '{lock.path}' ({e.strerror or e}); fix its permissions or {RUN_DIR_FIX}"
-        )
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        fix = f"fix its permissions or {RUN_DIR_FIX}" if create else "make it writable to continue the run"
+        raise UserError(f"output.run_dir: cannot write '{lock.path}' ({e.strerror or e}); {fix}")
     try:
         fcntl.flock(lock.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
