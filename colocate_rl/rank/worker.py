@@ -224,10 +224,10 @@ def build_trainer(run_dir: Path):
         # (accelerate alone leaves it unset on CPU, and ZeRO-3 then sees a world of 1).
         import deepspeed
 
-        if launch.device == "cpu":  # its shared-memory op serves only inference_all_reduce: skip its ~30 s JIT build
-            compatible = getattr(deepspeed.ops, "__compatible_ops__", None)  # deepspeed.comm.torch.build_shm_op
-            if isinstance(compatible, dict):
-                compatible["deepspeed_shm_comm"] = False
+        if launch.device == "cpu":
+            from colocate_rl.rank.adapter.deepspeed import skip_shm_comm_build
+
+            skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="gloo" if launch.device == "cpu" else "nccl")
     own_vllm = launch.backend == "vllm" and launch.engine is not None
     adapter.verify_installed(

@@ -21,6 +21,17 @@ def offload_states(engine) -> None:
     engine.offload_states(include=[OffloadStateTypeEnum(s) for s in OFFLOADED_STATES])
 
 
+def skip_shm_comm_build() -> None:
+    """On CPU, keep DeepSpeed from JIT-compiling its shared-memory comm op at `init_distributed` (~30 s on the first
+    run; the op serves only `inference_all_reduce`, never training). Relied on: `deepspeed.comm.torch.build_shm_op`
+    builds it only when `deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"]` is true."""
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+
+
 def check() -> list[str]:
     try:
         from deepspeed.runtime.engine import DeepSpeedEngine
