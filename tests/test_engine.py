@@ -25,6 +25,7 @@ from colocate_rl.plan.engine_options import EngineOptions
 from colocate_rl.plan.launch_plan import cache_dir, extensions_dir
 from colocate_rl.rank import vllm_engine as E
 from colocate_rl.rank import weights as W
+from colocate_rl.rank.adapter.deepspeed import OFFLOADED_STATES
 from colocate_rl.recipe.schema import GenerationSection
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -399,7 +400,7 @@ def test_trainer_states_leave_the_gpu_while_vllm_generates(monkeypatch):
     eng.push_weights()
     eng.generate([[1]], SAMPLING)
     assert events[-6:] == [
-        ("offload", E.OFFLOADED_STATES),
+        ("offload", OFFLOADED_STATES),
         ("empty_cache",),
         ("wake", ("kv_cache",)),
         ("generate", 1),

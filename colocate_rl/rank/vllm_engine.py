@@ -40,8 +40,6 @@ from colocate_rl.rank.engine import Generation, GenerationEngine, Sampling
 from colocate_rl.rank.weights import check_names, compare_weights, vllm_name, weight_buckets
 from colocate_rl.telemetry import events
 
-OFFLOADED_STATES = ds.OFFLOADED_STATES
-
 
 def empty_cache() -> None:
     if torch.cuda.is_available():
