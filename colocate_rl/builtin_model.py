@@ -327,3 +327,8 @@ def load_tokenizer(path: str | Path):
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+def layout_chat_template(layout: str) -> str:
+    """The chat template a built-in layout's tokenizer carries (what the pre-flight checks tools against)."""
+    return CHAT_TEMPLATE

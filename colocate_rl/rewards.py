@@ -124,9 +124,21 @@ def length_penalty(prompts, completions, **kwargs) -> list[float]:
     return [-(len(completion_text(c)) / 1000) for c in completions]
 
 
+def tool_call_ok(prompts, completions, **kwargs) -> list[float]:
+    """1.0 if the episode called a tool and every call returned a result (none was an error: unknown tool, bad
+    arguments, a raise, a timeout, over the call limit), else 0.0. For recipes with `tools:`."""
+    rewards = []
+    for completion in completions:
+        messages = [] if isinstance(completion, str) else completion
+        results = [_content_text(m.get("content")) for m in messages if m.get("role") == "tool"]
+        rewards.append(1.0 if results and not any(r.startswith("{'error':") for r in results) else 0.0)
+    return rewards
+
+
 REWARD_COLUMNS = {"answer_match": ("answer",), "math_verify": ("answer",)}  # dataset columns a built-in reward needs
 BUILTIN_REWARDS = {
-    f.__name__: f for f in (digit_share, answer_match, math_verify, format_think, hash_answer_format, length_penalty)
+    f.__name__: f
+    for f in (digit_share, answer_match, math_verify, format_think, hash_answer_format, length_penalty, tool_call_ok)
 }
 
 
@@ -176,7 +188,7 @@ def time_limit(key: str, what: str):
             signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - start), 1e-3), interval)
 
 
-def _import_file(target: str, key: str):
+def _import_file(target: str, key: str, what: str = "reward"):
     """Import `path/to/file.py` (a relative path: from the current directory; a recipe's are absolute by now) as a
     fresh module."""
     path = os.path.abspath(os.path.expanduser(target))
@@ -184,12 +196,12 @@ def _import_file(target: str, key: str):
         raise UserError(f"{key}: '{target}' looks like a path but is not a .py file. Fix: write 'path/to/file.py:fn'.")
     if os.path.exists(path) and not os.path.isfile(path):  # importing a FIFO would block
         raise UserError(
-            f"{key}: reward file '{target}' is not a regular file (a directory, FIFO, socket or device). "
+            f"{key}: {what} file '{target}' is not a regular file (a directory, FIFO, socket or device). "
             "Fix: point at a .py file on disk."
         )
     if not os.path.isfile(path):
         raise UserError(
-            f"{key}: reward file '{target}' not found (looked at {path}). "
+            f"{key}: {what} file '{target}' not found (looked at {path}). "
             "Fix: correct the path; relative paths in a recipe start from its directory, in --set from the current one."
         )
     stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
@@ -204,7 +216,7 @@ def _import_file(target: str, key: str):
         raise
     except BaseException as e:  # sys.exit() or a BaseException of its own too: a reward file must only define
         sys.modules.pop(mod_name, None)
-        raise UserError(f"{key}: importing reward file '{target}' failed: {one_line(e)}. Fix: correct it.") from e
+        raise UserError(f"{key}: importing {what} file '{target}' failed: {one_line(e)}. Fix: correct it.") from e
     return module
 
 
@@ -220,6 +232,26 @@ def _import_module(target: str, key: str):
         raise
     except BaseException as e:
         raise UserError(f"{key}: importing module '{target}' failed: {one_line(e)}. Fix: correct that module.") from e
+
+
+def load_user_object(name: str, *, key: str, what: str = "reward function"):
+    """The object `package.module:attr` or `path/to/file.py:attr` names (importing a file runs it). UserError naming
+    `key` for a malformed name, a module or file that does not import, or a missing attribute."""
+    target, _, attr = name.rpartition(":")
+    if not target or not attr.isidentifier():
+        raise UserError(f"{key}: '{name}' is malformed. Fix: write 'package.module:function' or 'path/to/file.py:fn'.")
+    is_path = target.endswith(".py") or "/" in target or os.sep in target
+    kind = what.split()[0]
+    module = _import_file(target, key, kind) if is_path else _import_module(target, key)
+    if not hasattr(module, attr):
+        defined = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
+        defined = [n for n in defined if not n.startswith("_")]
+        found = f"functions defined there: {', '.join(defined)}" if defined else "it defines no public functions"
+        raise UserError(
+            f"{key}: '{target}' has no attribute '{attr}'{hint_suffix(attr, defined)}; {found}. "
+            f"Fix: put the {what}'s name after the ':'."
+        )
+    return getattr(module, attr)
 
 
 def resolve_reward(name: str, *, key: str):
@@ -239,21 +271,8 @@ def resolve_reward(name: str, *, key: str):
             f"{key}: unknown reward '{name}'{hint_suffix(name, BUILTIN_REWARDS)}. Fix: use a built-in "
             f"({', '.join(BUILTIN_REWARDS)}), 'package.module:function' or 'path/to/file.py:function'."
         )
-    target, _, attr = name.rpartition(":")
-    if not target or not attr.isidentifier():
-        raise UserError(f"{key}: '{name}' is malformed. Fix: write 'package.module:function' or 'path/to/file.py:fn'.")
-    is_path = target.endswith(".py") or "/" in target or os.sep in target
-    module = _import_file(target, key) if is_path else _import_module(target, key)
-
-    if not hasattr(module, attr):
-        defined = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
-        defined = [n for n in defined if not n.startswith("_")]
-        found = f"functions defined there: {', '.join(defined)}" if defined else "it defines no public functions"
-        raise UserError(
-            f"{key}: '{target}' has no attribute '{attr}'{hint_suffix(attr, defined)}; {found}. "
-            "Fix: put the reward function's name after the ':'."
-        )
-    fn = getattr(module, attr)
+    fn = load_user_object(name, key=key)
+    attr = name.rpartition(":")[2]
     if inspect.isclass(fn) or not callable(fn):
         what = "a class" if inspect.isclass(fn) else f"an object of type {type(fn).__name__}"
         raise UserError(

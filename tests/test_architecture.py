@@ -28,6 +28,7 @@ LEVELS = {
     "prompts": 1,
     "rewards": 1,
     "data_check": 1.5,
+    "tools": 1.5,  # tools and environments by name (imports rewards' loader)
     "builtin_model": 1,
     "model_config": 1,
     "plan": 2,

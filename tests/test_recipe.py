@@ -71,7 +71,7 @@ def errors_of(data, host=CPU):
         (
             with_(bogus=1),
             "bogus: unknown key; known keys here: name, algorithm, model, data, rewards, trainer, "
-            "generation, eval, distributed, checkpoint, watchdog, output",
+            "generation, eval, distributed, checkpoint, watchdog, output, tools",
         ),
     ],
 )

@@ -14,6 +14,7 @@ SHORT_PHASES = {
     "offload": "offload",
     "reload": "reload",
     "reward": "score",  # scoring the completions: not "reward", the mean reward's name on the same line
+    "tools": "tools",  # tool calls of multi-turn episodes
     "prepare": "prep",
     "train": "train",
     "optimizer": "opt",

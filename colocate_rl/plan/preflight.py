@@ -3,7 +3,7 @@
 `preflight(recipe)` reads the model's config.json (a local directory's; a built-in's layout), the data file's first
 rows, each reward model's config.json (a hub one's fetched, config only), builds the model on the meta device to
 check LoRA target names, imports every reward module or file and calls each reward function once on a sample
-completion (again once per row sample of an explicit `eval.source`). It writes nothing and downloads nothing else (a
+completion, imports every tool and builds one environment (`colocate_rl.plan.tools`) (again once per row sample of an explicit `eval.source`). It writes nothing and downloads nothing else (a
 hub dataset is not opened; a hub model's own config is fetched only by the memory estimate, once per process). Its
 result is frozen: binding to a host, choosing the `auto` values, estimating and recommending are pure functions of
 it and the recipe (`colocate_rl.plan.resolve`, `colocate_rl.memory`), so a command that plans many variants of one
@@ -34,13 +34,15 @@ from colocate_rl.model_config import (
 )
 from colocate_rl.plan.evaluation import check_eval
 from colocate_rl.plan.lora import check_lora_targets
+from colocate_rl.plan.tools import check_tools
 from colocate_rl.recipe.schema import Recipe
 
 
 def _reads(recipe: Recipe) -> str:
     """The parts of `recipe` the pre-flight reads, as one comparable string."""
     parts = {
-        "model": recipe.model.model_dump(mode="json", include={"name", "lora"}),
+        "model": recipe.model.model_dump(mode="json", include={"name", "lora", "chat_template"}),
+        "tools": recipe.tools.model_dump(mode="json", include={"functions", "environment"}),
         "data": recipe.data.model_dump(mode="json"),
         "rewards": [r.model_dump(mode="json") for r in recipe.rewards],
         "eval": recipe.eval.model_dump(mode="json"),
@@ -211,13 +213,14 @@ def preflight(recipe: Recipe) -> Preflight:
     model_problems = model_problems or check_lora_targets(recipe, config)
     sample, data_problems = _check_data(recipe)
     functions, reward_configs, reward_problems = _check_rewards(recipe, sample)
+    tool_problems = check_tools(recipe, layout) if not model_problems else []
     return Preflight(
         reads=_reads(recipe),
         builtin_layout=layout,
         model_config=config,
         reward_model_configs=reward_configs,
         sample=sample,
-        problems=(*model_problems, *data_problems, *reward_problems),
+        problems=(*model_problems, *data_problems, *reward_problems, *tool_problems),
         eval_problems=tuple(check_eval(recipe, sample, functions)),
         launch_problems=tuple(_launch_problems(recipe, layout, config, not model_problems)),
     )

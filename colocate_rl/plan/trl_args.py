@@ -36,6 +36,7 @@ MANAGED_TRL_FIELDS = {
     "vllm_enable_sleep_mode": "generation.sleep_level",
     "vllm_max_model_length": "generation.max_model_length",
     "reward_weights": "rewards[*].weight",
+    "max_tool_calling_iterations": "tools.max_turns",
     "model_init_kwargs": "model.dtype",
     "save_strategy": "checkpoint.every_steps / checkpoint.every_minutes",
     "save_steps": "checkpoint.every_steps",
@@ -129,6 +130,8 @@ def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
         )
         if gen.max_model_length is not None:
             args["vllm_max_model_length"] = gen.max_model_length
+    if recipe.tools.active:
+        args["max_tool_calling_iterations"] = recipe.tools.max_turns
     args.update(algorithms.get(recipe.algorithm).preset)
     args.update(trainer.extra_args)
     return args

@@ -2,7 +2,8 @@
 
 An engine turns prompt token ids and sampling settings into completion token ids and, where it can, the sampled
 tokens' log-probabilities. Its lifecycle is `start` → (`push_weights` after every optimizer step, `generate` any
-number of times; `sleep`/`wake` where it hands memory to the trainer) → `stop`. The trainer calls it through
+number of times, several under one `hold` for multi-turn episodes; `sleep`/`wake` where it hands memory to the
+trainer) → `stop`. The trainer calls it through
 `colocate_rl.rank.adapter.trl` (TRL's generation step) and `colocate_rl.rank.evaluation` (held-out evaluation); no
 caller reaches into an engine's internals.
 
@@ -64,6 +65,20 @@ class Generation:
     logprobs: list[list[float | None]] | None = None
 
 
+    def placed(self, at: list[int], n: int) -> Generation:
+        """This generation's completions (one per prompt of `at`) at those positions of `n` prompts, no completion
+        at the others (prompts left out of the call)."""
+        if len(at) == n:
+            return self
+        ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float | None]] | None = None if self.logprobs is None else [[] for _ in range(n)]
+        for k, i in enumerate(at):
+            ids[i] = self.completion_ids[k]
+            if logprobs is not None:
+                logprobs[i] = self.logprobs[k]
+        return Generation(ids, logprobs)
+
+
 Phase = Callable[[str], AbstractContextManager]
 
 
@@ -102,6 +117,11 @@ class GenerationEngine(ABC):
     def wake(self) -> None:
         """Take back what `sleep` released."""
         return None  # the default: an engine without memory or weights of its own
+
+    def hold(self) -> AbstractContextManager:
+        """Keep the engine awake across the `generate` calls inside the block (the turns of a batch of multi-turn
+        episodes), releasing its memory once at the end instead of after every call."""
+        return nullcontext()  # the default: an engine without memory of its own to release
 
     def stop(self) -> None:
         """Release everything; the engine is not used again."""

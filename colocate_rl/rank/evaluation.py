@@ -13,6 +13,9 @@ step's end (not at a stop request's), calls `evaluate`:
   0 = greedy; decoded as TRL decodes completions (a chat prompt's completion is one assistant message);
 - scored by the trainer's reward functions as in training (dataset columns as keyword arguments; gathered over the
   ranks); what rewards log through `log_extra`/`log_metric` meanwhile is dropped (colocate_rl.rank.adapter.trl);
+- with `tools:`, each prompt is an episode as in training (TRL's tool loop through the engine, the recipe's tools and
+  environment; an environment's own reward scores it), also logged as `eval/tool_calls_per_episode` and
+  `eval/turns_per_episode`;
 - logged as `eval/<reward>` (mean of each reward function, named as TRL names it in `rewards/<name>/mean`),
   `eval/reward` (mean weighted sum, the recipe's weights), `eval/completion_length` and `time/eval_s` through
   transformers' `Trainer.log`, which reaches metrics.jsonl and every `report_to` backend. (TRL's own `log` would
@@ -34,7 +37,12 @@ from colocate_rl.rank.adapter import trl as trl_adapter
 from colocate_rl.rank.engine import Sampling
 from colocate_rl.recipe.schema import Recipe
 
-RESERVED_NAMES = ("reward", "completion_length")  # eval/<name> keys of their own
+RESERVED_NAMES = (
+    "reward",
+    "completion_length",
+    "tool_calls_per_episode",
+    "turns_per_episode",
+)  # eval/<name> keys of their own
 
 
 def load_eval_dataset(recipe: Recipe):
@@ -80,17 +88,22 @@ def evaluate(trainer, dataset, temperature: float) -> dict[str, float | None]:
     rows = [dataset[min(i, n - 1)] for i in range(first, first + share)]
     prompts = [row["prompt"] for row in rows]
     sampling = Sampling.from_args(trainer.args).at_temperature(temperature).without_logprobs()
+    episodes = bool(getattr(trainer, "tools", None))  # multi-turn: TRL's tool loop through the engine
     model, was_training = trainer.model, trainer.model.training
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         model.eval()
         try:
-            prompt_ids = trl_adapter.tokenize_prompts(trainer, prompts)
-            completion_ids = trainer.generate_completions(prompt_ids, sampling).completion_ids
+            if episodes:
+                completions, completion_ids = trl_adapter.run_episodes(trainer, rows, sampling)
+            else:
+                prompt_ids = trl_adapter.tokenize_prompts(trainer, prompts)
+                completion_ids = trainer.generate_completions(prompt_ids, sampling).completion_ids
         finally:
             model.train(was_training)
-    texts = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-    completions = completions_of(rows, texts)
+    if not episodes:
+        texts = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = completions_of(rows, texts)
     rewards = trl_adapter.calculate_rewards(trainer, rows, prompts, completions, completion_ids)[:n].float().cpu()
     lengths = accelerator.gather(torch.tensor([len(ids) for ids in completion_ids], device=accelerator.device))
     total = (rewards * trainer.reward_weights.float().cpu()).nansum(dim=1)  # as TRL sums them in training
@@ -100,6 +113,14 @@ def evaluate(trainer, dataset, temperature: float) -> dict[str, float | None]:
         metrics[name] = round(scored.mean().item(), 6) if len(scored) else None
     metrics["eval/reward"] = round(total.mean().item(), 6)
     metrics["eval/completion_length"] = round(lengths[:n].float().mean().item(), 3)
+    if episodes:  # the episodes' own measures, over every rank's share (padding rows left out)
+        guard = trainer.tool_guard
+        calls = [float(c) for c in (guard.calls if guard is not None else [0] * share)]
+        per_row = accelerator.gather(torch.tensor(calls, device=accelerator.device))[:n].float()
+        counts = accelerator.gather(torch.tensor([float(trainer.turns)], device=accelerator.device))
+        metrics["eval/tool_calls_per_episode"] = round(per_row.mean().item(), 4)
+        metrics["eval/turns_per_episode"] = round(counts.sum().item() / (share * accelerator.num_processes), 4)
+        trl_adapter.drop_metrics(trainer, "eval")
     metrics["time/eval_s"] = round(time.perf_counter() - start, 4)
     return metrics
 

@@ -16,7 +16,8 @@ A `GenerationEngine` (colocate_rl.rank.engine). Per step, on every rank, the cyc
   weights and gradients to CPU while vLLM's KV cache is awake, `reload_states` brings them back after.
 - Weight check (`check_weights`): after each push a few tensors of vLLM's model are compared with what the
   trainer pushed; a mismatch raises `StaleWeightsError` (the run stops).
-- Sampling: vLLM returns token ids only (no text) and flat logprobs, read without a per-token dict.
+- Sampling: vLLM returns token ids only (no text) and flat logprobs, read without a per-token dict. Under `hold`
+  (the turns of multi-turn episodes) vLLM stays awake from the first generate to the block's end.
 
 Each part of the cycle is timed as a phase (`phase`). vLLM's internals are reached through
 `colocate_rl.rank.adapter.vllm` only. Importing this module does not import vLLM.
@@ -24,6 +25,7 @@ Each part of the cycle is timed as a phase (`phase`). vLLM's internals are reach
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -47,10 +49,8 @@ def empty_cache() -> None:
 
 
 def sampling_kwargs(sampling: Sampling) -> dict[str, Any]:
-    """vLLM's SamplingParams for one completion per prompt: the recipe's `generation_kwargs` over the sampling
-    settings, the sampled token's logprob flat (a few lists per sequence instead of a dict and an object per token)
-    and detokenization off (only token ids are read). Detokenization stays on when the recipe asks for it or for stop
-    strings (vLLM refuses `stop` without it)."""
+    """vLLM's SamplingParams for one completion per prompt: `generation_kwargs` over the sampling settings, the
+    sampled token's logprob flat (lists, not a dict per token), no detokenizing (unless asked, or for `stop`)."""
     kwargs = {
         "n": 1,
         "repetition_penalty": sampling.repetition_penalty,
@@ -115,6 +115,8 @@ class VLLMEngine(GenerationEngine):
         self._asleep: set[str] = set()  # vLLM memory tags currently released
         self._weights_valid = True  # vLLM's weights equal the trainer's last push (or the checkpoint, at start)
         self._offloaded = False
+        self._held = 0  # open `hold` blocks: generate keeps vLLM awake until the outermost one ends
+        self.max_model_len = 2**62  # prompt + completion tokens vLLM takes: its built config's, once started
         self._merge = None  # LoRA: the adapted model as vLLM sees it (colocate_rl.rank.adapter.peft.AdapterMerge)
         self.last_check: list[str] = []  # parameters compared after the last push
 
@@ -178,6 +180,7 @@ class VLLMEngine(GenerationEngine):
             asleep = (free_before - free()) / 2**30
             line += f", asleep (level {self.sleep_level}) {asleep:.3f} GiB"
         config = vl.built_config(self.llm)
+        self.max_model_len = int(config["max_model_len"])
         print(line, flush=True)  # for a person reading the log; programs read the event
         print(f"[colocate-rl engine] rank {accelerator.process_index}: vLLM config {json.dumps(config)}", flush=True)
         if self.run_dir is not None:
@@ -261,11 +264,8 @@ class VLLMEngine(GenerationEngine):
         from accelerate.utils import is_peft_model
 
         peft = is_peft_model(self.model)
-        params = dict(
-            self._adapter_merge().named_params()
-            if peft
-            else ((vllm_name(n), p) for n, p in self.model.named_parameters())
-        )
+        named = ((vllm_name(n), p) for n, p in self.model.named_parameters())
+        params = dict(self._adapter_merge().named_params() if peft else named)
         names = check_names(list(params), self.tensor_parallel_size)
         with self.gather([params[n] for n in names]):
             trainer = {n: params[n].data.detach().clone() for n in names}
@@ -319,8 +319,23 @@ class VLLMEngine(GenerationEngine):
                 self._wake(["kv_cache"])
             return self._generate(prompt_ids, sampling)
         finally:
+            if not self._held:
+                self._release()
+
+    @contextlib.contextmanager
+    def hold(self):
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            if not self._held:
+                self._release()
+
+    def _release(self) -> None:
+        if not self._asleep:  # woken by a generate (none may have run inside a hold)
             self.sleep()
-            self._reload_trainer()
+        self._reload_trainer()
 
     def _generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
         from vllm import SamplingParams
@@ -340,10 +355,15 @@ class VLLMEngine(GenerationEngine):
             gathered: list = [None] * self.tensor_parallel_size
             torch.distributed.all_gather_object(gathered, prompt_ids, group=self.tp_group)
             prompts = [p for part in gathered for p in part]
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompts], sampling_params=SamplingParams(**kwargs), use_tqdm=False
-        )
-        out = read_outputs(outputs)
+        # A later turn's prompt (prompt, completion and tool results so far) may leave less room than max_tokens in
+        # the context: each gets what is left (TRL cuts the episode at max_completion_length); none left, nothing.
+        room = [self.max_model_len - len(ids) for ids in prompts]
+        fits = [i for i, r in enumerate(room) if r > 0]
+        params: Any = SamplingParams(**kwargs)
+        if any(r < kwargs["max_tokens"] for r in room):
+            params = [SamplingParams(**{**kwargs, "max_tokens": min(kwargs["max_tokens"], room[i])}) for i in fits]
+        requests = [{"prompt_token_ids": prompts[i]} for i in fits]
+        out = read_outputs(self.llm.generate(requests, sampling_params=params, use_tqdm=False)).placed(fits, len(room))
         if self.tp_group is not None:
             share = slice(
                 torch.distributed.get_rank(group=self.tp_group) * len(prompt_ids),

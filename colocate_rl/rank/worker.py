@@ -176,6 +176,7 @@ def build_trainer(run_dir: Path):
     from colocate_rl.rank.lora import peft_config
     from colocate_rl.rank.same_recipe import check_same_recipe
     from colocate_rl.rank.telemetry import Telemetry
+    from colocate_rl.rank.tools import ToolGuard, trainer_tools
     from colocate_rl.recipe.load import load_recipe
     from colocate_rl.rewards import resolve_reward
 
@@ -211,12 +212,19 @@ def build_trainer(run_dir: Path):
         for i, r in enumerate(recipe.rewards)
     ]
     tokenizer = load_tokenizer(launch.model_path, launch.builtin_model)
+    if recipe.model.chat_template is not None:
+        from colocate_rl.plan.tools import read_chat_template
+
+        tokenizer.chat_template = read_chat_template(recipe.model.chat_template)
     telemetry = Telemetry(run_dir, resume=launch.resume_from is not None)
     callback = make_metrics_callback(paths.metrics, telemetry)
     checkpoints = make_checkpoint_callback(run_dir, recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes)
     evaluation = make_eval_callback(recipe)  # None unless eval.every_steps
 
     from colocate_rl.algorithms import trainer_classes
+
+    if recipe.tools.environment is not None:
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL warns that environment_factory is experimental
 
     Config, Trainer = trainer_classes(launch.algorithm)
     if "deepspeed" in launch.trl_args:
@@ -250,12 +258,15 @@ def build_trainer(run_dir: Path):
         peft_config=peft_config(recipe.model.lora) if recipe.model.lora else None,
         engine_factory=factory,
         trl_builds_vllm=trl_builds_vllm,
+        **trainer_tools(recipe.tools),
     )
     adapter.verify_trainer(trainer)  # before step 1: every hook in place, the engine colocate-rl's
     callback.trainer = trainer
     if evaluation is not None:
         evaluation.trainer = trainer
     telemetry.instrument(trainer)
+    if recipe.tools.active:
+        trainer.tool_guard = ToolGuard(recipe.tools, telemetry.phase)
     trainer.log_extras = telemetry_extras(telemetry)
     return recipe, launch, trainer, checkpoints
 

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from colocate_rl import algorithms
+from colocate_rl.recipe.tools import ToolsSection
 from colocate_rl.recipe.values import MAX_STEPS, SEED_MAX, Count, Index, check_repo_id, parse_size, some_modules, whole
 
 
@@ -62,8 +63,10 @@ class ModelSection(_Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Weights dtype; auto = bfloat16 on GPU, float32 on CPU."
     )
-    lora: LoraSection | None = Field(
-        None, description="Train LoRA adapters instead of the full model (null: full fine-tuning)."
+    lora: LoraSection | None = Field(None, description="Train LoRA adapters instead of the full model (null: full).")
+    chat_template: str | None = Field(
+        None,
+        description="Replace the model's chat template: a .jinja file, or one TRL ships by name (qwen2_5 ...).",
     )
 
     @field_validator("lora", mode="before")
@@ -94,7 +97,7 @@ class RewardSpec(_Section):
     name: str | None = Field(
         None,
         description="A reward function: built-in name (digit_share, answer_match, math_verify, format_think, "
-        "hash_answer_format, length_penalty), `package.module:function` or `path/to/file.py:function`. Give `name` or `model`.",
+        "hash_answer_format, length_penalty, tool_call_ok), `package.module:function` or `path/to/file.py:function`. Give `name` or `model`.",
     )
     model: str | None = Field(
         None,
@@ -392,5 +395,6 @@ class Recipe(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     watchdog: WatchdogSection = Field(default_factory=WatchdogSection)
     output: OutputSection = Field(default_factory=OutputSection)
+    tools: ToolsSection = Field(default_factory=ToolsSection)
 
     _algorithm = field_validator("algorithm")(algorithms.check_name)

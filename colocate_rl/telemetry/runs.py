@@ -26,6 +26,7 @@ COLORS = dict(
             "teal",
             "navy",
             "tab:purple",
+            "crimson",
             "tab:brown",
             "tab:pink",
             "tab:olive",

@@ -30,6 +30,7 @@ TIMED_PHASES = (
     "offload",
     "reload",
     "reward",
+    "tools",
     "prepare",
     "train",
     "optimizer",

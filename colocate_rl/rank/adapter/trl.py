@@ -25,6 +25,30 @@ CALLED = {
     "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],  # evaluation, timed
     "_generate_and_score_completions": None,  # timed as the "prepare" phase (any parameters)
 }
+# GRPOTrainer's multi-turn path (tools, environments), with what colocate-rl relies on: `_generate(prompts)` runs one
+# batch of episodes (first turn, then `_tool_call_loop`, whose turns call `_generate_single_turn` too) and returns
+# (prompt_ids, completion_ids, tool_mask, completions, ...); `_tool_call_loop` calls episode i's tools from
+# `_sync_tool_dicts[i]` / `_async_tool_dicts[i]`, which `_generate_and_score_completions` builds before `_generate`.
+EPISODES = {
+    "_generate": ["self", "prompts"],
+    "_tool_call_loop": [
+        "self",
+        "prompts",
+        "prompt_ids",
+        "completion_ids",
+        "completions",
+        "logprobs",
+        "images",
+        "multimodal_fields",
+    ],
+}
+EPISODE_SOURCE = {
+    "_tool_call_loop": ("self._sync_tool_dicts[idx_with_tool]", "self._async_tool_dicts[idx_with_tool]"),
+    "_generate": ("return prompt_ids, completion_ids, tool_mask, completions,",),
+}
+# GRPO's attributes of the multi-turn path: the tools (standalone and environments' methods), the environment factories
+# by name, whether examples pick theirs (`environment` column), the episode's environments (rewards read them).
+EPISODE_ATTRIBUTES = ("tools", "_standalone_tools", "environment_factories", "_multi_environment", "environments")
 # Private attributes of a built trainer: `_metrics[mode]` (TRL's per-step metric lists, read for the completion
 # length; evaluation clears "eval"), `_pending_metrics`/`_pending_extra_logs` (what rewards logged meanwhile; evaluation
 # drops them), `use_vllm` (gates the importance-sampling correction), `vllm_mode` (the tool loop reads TRL's engine
@@ -48,18 +72,24 @@ def check_trainer_class(trainer_cls: type) -> list[str]:
     if base is None:
         return [f"{trainer_cls.__name__} derives from neither TRL's GRPOTrainer nor RLOOTrainer"]
     problems = []
-    for name, expected in {"_generate_single_turn": SINGLE_TURN[base], **CALLED}.items():
+    hooked = {"_generate_single_turn": SINGLE_TURN[base], **CALLED, **(EPISODES if base == "GRPOTrainer" else {})}
+    for name, expected in hooked.items():
         fn = getattr(trainer_cls, name, None)
         if fn is None:
             problems.append(f"trl {base}.{name} is missing")
         elif expected is not None and _params(fn) != expected:
             problems.append(f"trl {base}.{name}{tuple(_params(fn))} changed (expected {tuple(expected)})")
+    for name, needles in (EPISODE_SOURCE if base == "GRPOTrainer" else {}).items():
+        fn = getattr(trainer_cls, name, None)
+        source = inspect.getsource(fn) if fn is not None else ""
+        problems += [f"trl {base}.{name} no longer has `{n}`" for n in needles if fn is not None and n not in source]
     return problems
 
 
 def check_trainer(trainer) -> list[str]:
     """What is missing on a built trainer: the private attributes used, and the engine in place."""
-    problems = [f"trl {type(trainer).__name__}.{a} is missing" for a in ATTRIBUTES if not hasattr(trainer, a)]
+    attributes = ATTRIBUTES + (EPISODE_ATTRIBUTES if base_of(type(trainer)) == "GRPOTrainer" else ())
+    problems = [f"trl {type(trainer).__name__}.{a} is missing" for a in attributes if not hasattr(trainer, a)]
     if not isinstance(getattr(trainer, "engine", None), GenerationEngine):
         problems.append(f"the trainer's generation engine is {type(getattr(trainer, 'engine', None)).__name__}")
     hook = getattr(type(trainer), "_generate_single_turn", None)
@@ -74,6 +104,9 @@ class _EngineHooks:
     engine: GenerationEngine
     phase = staticmethod(no_phase)  # colocate_rl.rank.telemetry sets the rank's phase timer
     log_extras = None  # callable(trainer, logs) -> logs, set by the worker (telemetry of the step)
+    tool_guard = None  # colocate_rl.rank.tools.ToolGuard, set by the worker for recipes with tools
+    sampling_override: Sampling | None = None  # the evaluation's sampling while it runs episodes
+    turns = 0  # prompts generated since the batch of episodes began (first turns and tool turns)
 
     def __init__(self, *args: Any, engine_factory, trl_builds_vllm: bool = False, **kwargs: Any):
         config = kwargs["args"]
@@ -110,7 +143,8 @@ class _EngineHooks:
     def _engine_generate(self, prompt_ids, images, multimodal_fields, logprobs: bool = True) -> Generation:
         if images is not None and any(i is not None for i in images) or multimodal_fields:
             raise ValueError("colocate-rl's generation engines take text prompts only (no images)")
-        sampling = Sampling.from_args(self.args)
+        sampling = self.sampling_override or Sampling.from_args(self.args)
+        self.turns += len(prompt_ids)
         return self.generate_completions(prompt_ids, sampling if logprobs else sampling.without_logprobs())
 
     def training_step(self, *args, **kwargs):
@@ -132,6 +166,23 @@ class _EngineHooks:
 
 
 class GRPOHooks(_EngineHooks):
+    def _generate(self, prompts):
+        """One batch of episodes with the engine held awake over all its turns; each episode's tools guarded."""
+        self.turns = 0
+        if self.tools and self.tool_guard is not None:
+            self.tool_guard.start_batch(len(prompts))
+            for i, tools in enumerate(zip(self._sync_tool_dicts, self._async_tool_dicts)):
+                for table in tools:
+                    table.update({name: self.tool_guard.wrap(fn, i) for name, fn in table.items()})
+        with self.engine.hold():
+            out = super()._generate(prompts)
+        if self.tools:
+            mode = "train" if self.model.training else "eval"
+            counts = torch_tensor([self.turns, len(prompts)], self.accelerator.device)
+            turns, episodes = self.accelerator.gather(counts).view(-1, 2).sum(dim=0).tolist()
+            self._metrics[mode]["tools/turns_per_episode"].append(turns / max(episodes, 1))
+        return out
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         out = self._engine_generate(prompt_ids, images, multimodal_fields)  # one completion per prompt id list
         return out.completion_ids, out.logprobs
@@ -142,6 +193,12 @@ class RLOOHooks(_EngineHooks):
         return self._engine_generate(
             prompt_ids, images, multimodal_fields, logprobs=False
         ).completion_ids  # RLOO reads none
+
+
+def torch_tensor(values: list[float], device):
+    import torch
+
+    return torch.tensor(values, dtype=torch.float64, device=device)
 
 
 def engine_trainer(trainer_cls: type) -> type:
@@ -166,6 +223,38 @@ def calculate_rewards(trainer, rows: list[dict], prompts: list, completions: lis
     trainer._pending_metrics.clear()
     trainer._pending_extra_logs.clear()
     return rewards
+
+
+def run_episodes(trainer, rows: list[dict], sampling: Sampling) -> tuple[list, list[list[int]]]:
+    """One episode per row (multi-turn, with the recipe's tools and environment) as TRL's training step runs them,
+    at `sampling`: (completions as message lists, completion token ids). The episodes' environments stay on the
+    trainer, where `calculate_rewards` reads them (an environment's own reward). Mirrors the setup that TRL's
+    `_generate_and_score_completions` does before `_generate`: environments built and reset with the row, their
+    observation appended to the prompt, each episode's tool table."""
+    from colocate_rl.tools import environment_tools
+
+    prompts = [row["prompt"] for row in rows]
+    trainer.environments = None
+    if trainer.environment_factories is not None:
+        names = [row.get("environment") if trainer._multi_environment else None for row in rows]
+        trainer._batch_environments = names
+        trainer.environments = [trainer.environment_factories[name]() for name in names]
+        for i, (environment, row) in enumerate(zip(trainer.environments, rows)):
+            kwargs = {k: v for k, v in row.items() if k != "environment"} if trainer._multi_environment else row
+            observation = environment.reset(**kwargs)
+            if isinstance(observation, str):
+                prompts[i] = prompts[i][:-1] + [{**prompts[i][-1], "content": prompts[i][-1]["content"] + observation}]
+    trainer._sync_tool_dicts, trainer._async_tool_dicts = [], []
+    for i in range(len(rows)):
+        tools = trainer._standalone_tools + (environment_tools(trainer.environments[i]) if trainer.environments else [])
+        trainer._sync_tool_dicts.append({t.__name__: t for t in tools if not inspect.iscoroutinefunction(t)})
+        trainer._async_tool_dicts.append({t.__name__: t for t in tools if inspect.iscoroutinefunction(t)})
+    trainer.sampling_override = sampling
+    try:
+        _prompt_ids, completion_ids, _mask, completions, *_ = trainer._generate(prompts)
+    finally:
+        trainer.sampling_override = None
+    return completions, completion_ids
 
 
 def drop_metrics(trainer, mode: str) -> None:
