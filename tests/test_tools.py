@@ -5,10 +5,9 @@ starts here (the end-to-end run through torchrun is in tests/test_tool_recipe.py
 import asyncio
 import time
 import types
-
-import pytest
 from pathlib import Path
 
+import pytest
 from conftest import CPU, assert_user_error, cli_here, resolved, write_recipe
 
 from colocate_rl.errors import UserError
