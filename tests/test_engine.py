@@ -500,3 +500,60 @@ def test_zero3_bucketed_push_gathers_full_weights_on_two_ranks(tmp_path, bucket_
     assert out["differs_before"] and out["same"] is True  # vLLM received the full, gathered weights
     assert out["loads"] == loads  # one load_weights call per bucket
     assert out["stale"].startswith("vLLM is not generating from the trainer's current weights")
+
+
+def test_a_hold_keeps_vllm_awake_over_the_turns_of_episodes(monkeypatch):
+    """The turns of a batch of multi-turn episodes: one wake and one sleep around them all, not one per turn."""
+    events = []
+    eng = make_engine(monkeypatch, tiny_model(), events, sleep_level=1)
+    eng.push_weights()
+    eng.generate([[1]], SAMPLING)
+    events.clear()
+    with eng.hold():
+        eng.generate([[1], [2]], SAMPLING)
+        eng.generate([[3]], SAMPLING)  # the tool turn
+        assert ("sleep", 1) not in events
+    assert events == [
+        ("empty_cache",),
+        ("wake", ("weights",)),
+        ("wake", ("kv_cache",)),
+        ("generate", 2),
+        ("generate", 1),
+        ("sleep", 1),
+    ]
+    events.clear()
+    with eng.hold():  # nothing generated: nothing to put to sleep again
+        pass
+    assert events == []
+
+
+def test_a_later_turn_gets_only_the_context_left(monkeypatch):
+    """A tool turn's prompt (prompt + completion + tool results) near vLLM's max_model_len (64 here) gets max_tokens
+    cut to what is left; one with no room left gets no completion instead of a vLLM error. vLLM cannot be installed
+    on CPU, so `vllm.SamplingParams` is a stand-in that records its arguments."""
+    import sys
+    import types
+
+    events = []
+    eng = make_engine(monkeypatch, tiny_model(), events, sleep_level=0)
+    monkeypatch.setattr(eng, "_generate", E.VLLMEngine._generate.__get__(eng))
+    fake = types.ModuleType("vllm")
+    fake.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    asked = {}
+
+    def generate(requests, sampling_params, use_tqdm):
+        asked["prompts"] = [len(r["prompt_token_ids"]) for r in requests]
+        asked["max_tokens"] = (
+            [p.max_tokens for p in sampling_params] if isinstance(sampling_params, list) else sampling_params.max_tokens
+        )
+        out = SimpleNamespace(token_ids=[5, 6], logprobs=None)
+        return [SimpleNamespace(outputs=[out]) for _ in requests]
+
+    eng.llm.generate = generate
+    assert eng.max_model_len == 64
+    out = eng.generate([[1] * 10, [1] * 60, [1] * 64], SAMPLING)
+    assert asked == {"prompts": [10, 60], "max_tokens": [8, 4]}
+    assert out.completion_ids == [[5, 6], [5, 6], []]
+    eng.generate([[1] * 10], SAMPLING)
+    assert asked == {"prompts": [10], "max_tokens": 8}  # room for all: one SamplingParams, as before

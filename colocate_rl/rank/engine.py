@@ -64,7 +64,6 @@ class Generation:
     completion_ids: list[list[int]]
     logprobs: list[list[float | None]] | None = None
 
-
     def placed(self, at: list[int], n: int) -> Generation:
         """This generation's completions (one per prompt of `at`) at those positions of `n` prompts, no completion
         at the others (prompts left out of the call)."""
