@@ -327,10 +327,13 @@ def _finite_number(value) -> bool:
         return False
 
 
-def check_reward_on_sample(fn, name: str, sample: DataSample, *, key: str, chat: bool, max_steps: int = 1) -> None:
+def check_reward_on_sample(
+    fn, name: str, sample: DataSample, *, key: str, chat: bool, max_steps: int = 1, environment=None
+) -> None:
     """Call a reward once, as TRL calls it, on a sample completion for the first rows of `sample`, for at most
     `rewards.REWARD_TIME_LIMIT_S`; UserError naming `key` when it raises anything (sys.exit() too), runs longer, or
-    does not return one finite number (or None) per completion."""
+    does not return one finite number (or None) per completion. With `environment` (a factory: the recipe's
+    `tools.environment`) the reward also gets `environments`, one reset per row, as TRL passes them."""
     import asyncio
 
     from colocate_rl.rewards import USER_CODE_EXITS, time_limit
@@ -339,6 +342,10 @@ def check_reward_on_sample(fn, name: str, sample: DataSample, *, key: str, chat:
     completion = [{"role": "assistant", "content": SAMPLE_COMPLETION}] if chat else SAMPLE_COMPLETION
     completions = [completion for _ in rows]
     columns = {c: [row.get(c) for row in rows] for c in sample.columns if c not in ("prompt", "completion")}
+    if environment is not None:
+        columns["environments"] = [environment() for _ in rows]
+        for env, row in zip(columns["environments"], rows):
+            env.reset(**row)
     fix = "Fix: return a list with one float (or None) per completion, for any completion text."
     with time_limit(key, f"reward '{name}' called on a sample completion"):
         try:

@@ -29,6 +29,7 @@ from colocate_rl.plan.preflight import Preflight, preflight
 from colocate_rl.plan.resolve import bind_to_host, check_engine
 from colocate_rl.plan.resolved import Resolved, auto_keys
 from colocate_rl.plan.sources import explain_sources, layer_distributed
+from colocate_rl.plan.tools import check_tool_layout
 from colocate_rl.recipe.load import apply_overrides, parse_recipe, read_yaml
 from colocate_rl.recipe.paths import resolve_override_paths, resolve_paths
 from colocate_rl.recipe.schema import Recipe
@@ -60,10 +61,15 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
     dist, trainer = recipe.distributed, recipe.trainer
     auto_stage = dist.zero_stage == "auto"
     if auto_stage or trainer.gradient_checkpointing == "auto":
+
+        def layout_problems(config) -> list[str]:
+            tools = check_tool_layout(recipe, resolved.backend, resolved.nproc_per_node, config)
+            return check_engine(recipe, config) + tools
+
         choice = choose_layout(
-            resolved, gpu_gib, valid=lambda config: not check_engine(recipe, config), ram_gib=host.ram_gib
+            resolved, gpu_gib, valid=lambda config: not layout_problems(config), ram_gib=host.ram_gib
         )
-        engine_problems = check_engine(recipe, choice.deepspeed) if auto_stage else []
+        engine_problems = layout_problems(choice.deepspeed) if auto_stage else []
         if engine_problems:
             raise UserError(*engine_problems)
         resolved = replace(

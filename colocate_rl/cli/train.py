@@ -82,6 +82,7 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "", 
         ),
         ("data", r.data.source),
         ("rewards", ", ".join(f"{x.name or x.model}×{x.weight:g}" for x in r.rewards)),
+        *([("tools", r.tools.summary())] if r.tools.active else []),
         (
             "ranks",
             f"{dist.nnodes} node(s) × {resolved.nproc_per_node} = {resolved.world_size} on {resolved.device} ({host})",

@@ -160,7 +160,7 @@ def _check_data(recipe: Recipe) -> tuple[DataSample | None, list[str]]:
 
 
 def _check_rewards(
-    recipe: Recipe, sample: DataSample | None
+    recipe: Recipe, sample: DataSample | None, environment: Callable | None = None
 ) -> tuple[dict[int, Callable], dict[str, dict[str, Any]], list[str]]:
     """(the reward functions that imported by index, reward models' configs, problems). Every reward function
     imports, finds the columns it needs in the data, and returns one number per completion when called once on a
@@ -199,7 +199,13 @@ def _check_rewards(
             continue
         try:
             check_reward_on_sample(
-                fn, reward.name, sample, key=key, chat=recipe.data.chat, max_steps=recipe.trainer.max_steps
+                fn,
+                reward.name,
+                sample,
+                key=key,
+                chat=recipe.data.chat,
+                max_steps=recipe.trainer.max_steps,
+                environment=environment,
             )
         except UserError as e:
             problems.extend(e.lines)
@@ -212,8 +218,8 @@ def preflight(recipe: Recipe) -> Preflight:
     layout, config, model_problems = _check_model(recipe)
     model_problems = model_problems or check_lora_targets(recipe, config)
     sample, data_problems = _check_data(recipe)
-    functions, reward_configs, reward_problems = _check_rewards(recipe, sample)
-    tool_problems = check_tools(recipe, layout) if not model_problems else []
+    tool_problems, environment = check_tools(recipe, layout) if not model_problems else ([], None)
+    functions, reward_configs, reward_problems = _check_rewards(recipe, sample, environment)
     return Preflight(
         reads=_reads(recipe),
         builtin_layout=layout,

@@ -200,9 +200,9 @@ def bind_to_host(recipe: Recipe, host: Host, pre: Preflight) -> Resolved:
     deepspeed, deepspeed_problems = _deepspeed(recipe, precision)
     problems += backend_problems + precision_problems + _check_batch(recipe, nproc) + _check_nodes(recipe)
     problems += deepspeed_problems + list(pre.problems) + check_eval_schedule(recipe) + list(pre.eval_problems)
-    problems += check_extra_args(recipe) + check_tool_layout(recipe, backend, nproc, deepspeed)
+    problems += check_extra_args(recipe)
     if recipe.distributed.zero_stage != "auto":  # auto: the engine's constraints filter the layout candidates
-        problems += check_engine(recipe, deepspeed)
+        problems += check_engine(recipe, deepspeed) + check_tool_layout(recipe, backend, nproc, deepspeed)
     if problems:
         raise UserError(*problems)
     return Resolved(

@@ -125,20 +125,26 @@ def template_problems(template: str, tokenizer_config: dict, tools: list[Callabl
     return []
 
 
-def check_tools(recipe: Recipe, layout: str | None) -> list[str]:
-    """Every problem of the `tools:` section and of `model.chat_template` (see the module docstring). Imports the
+def check_tools(recipe: Recipe, layout: str | None) -> tuple[list[str], Callable | None]:
+    """Every problem of the `tools:` section and of `model.chat_template` (see the module docstring), and the
+    environment factory when it built an environment (the rewards' sample call gets environments too). Imports the
     tool and environment code and builds one environment, under the pre-flight's time limit."""
+    problems, factory = _tool_problems(recipe, layout)
+    return problems, (factory if not problems else None)
+
+
+def _tool_problems(recipe: Recipe, layout: str | None) -> tuple[list[str], Callable | None]:
     from colocate_rl.rewards import time_limit
     from colocate_rl.tools import environment_tools, resolve_environment, resolve_tool, schema_problem
 
-    section, problems = recipe.tools, []
+    section, problems, factory = recipe.tools, [], None
     if not section.active:
         if recipe.model.chat_template is not None:
             try:
                 read_chat_template(recipe.model.chat_template)
             except UserError as e:
                 problems += e.lines
-        return problems
+        return problems, None
     if not recipe.data.chat:
         problems.append("tools: tool calls are chat messages; set data.chat: true (or drop tools)")
     if algorithms.get(recipe.algorithm).trainer != "grpo":
@@ -168,7 +174,7 @@ def check_tools(recipe: Recipe, layout: str | None) -> list[str]:
                 except Exception as e:
                     raise UserError(f"{key}: building an environment failed: {one_line(e)}; fix the factory") from e
         except UserError as e:
-            return problems + e.lines
+            return problems + e.lines, None
         if not callable(getattr(environment, "reset", None)):
             problems.append(f"{key}: {type(environment).__name__} has no reset method; TRL starts each episode with it")
         for method in environment_tools(environment):
@@ -182,10 +188,10 @@ def check_tools(recipe: Recipe, layout: str | None) -> list[str]:
         try:
             template, config = _model_template(recipe, layout)
         except UserError as e:
-            return problems + e.lines
+            return problems + e.lines, factory
         if template is not None:
             problems += template_problems(template, config, tools)
-    return problems
+    return problems, factory
 
 
 def check_tool_layout(recipe: Recipe, backend: str, nproc: int, deepspeed: dict | None) -> list[str]:

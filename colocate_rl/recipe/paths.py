@@ -12,7 +12,9 @@ The keys that hold paths (`PATH_KEYS`) and how a path is told from a name that i
   name or `package.module:function` does not; `rewards[].model` (a reward model) as `model.name`;
 - `distributed.deepspeed`: a shipped config's name (`zero3`, ...) is a name; a path when it ends in `.json`, holds
   a `/` or starts with `.`, or exists as `model.name` above;
-- `output.run_dir`: always a path.
+- `output.run_dir`: always a path;
+- `tools.functions[]` and `tools.environment` as `rewards[].name`; `model.chat_template` when it ends in `.jinja` or
+  holds a `/` (else it names a template TRL ships).
 
 Absolute paths stay as written; `~` is expanded. A value that certainly is a path, missing in the recipe's
 directory but present in the current directory, is an error naming the path to write (the rule changed: such
@@ -38,6 +40,8 @@ PATH_KEYS = (
     ("eval", "source", "data"),
     ("distributed", "deepspeed", "deepspeed"),
     ("output", "run_dir", "output"),
+    ("model", "chat_template", "template"),
+    ("tools", "environment", "reward"),
 )
 
 
@@ -49,6 +53,10 @@ def _slots(data: Any) -> Iterator[tuple[dict, str, str, str]]:
         mapping = data.get(section)
         if isinstance(mapping, dict) and isinstance(mapping.get(key), str):
             yield mapping, key, kind, f"{section}.{key}"
+    functions = (data.get("tools") or {}).get("functions") if isinstance(data.get("tools"), dict) else None
+    for i, name in enumerate(functions if isinstance(functions, list) else ()):
+        if isinstance(name, str):
+            yield functions, i, "reward", f"tools.functions[{i}]"
     rewards = data.get("rewards")
     for i, reward in enumerate(rewards if isinstance(rewards, list) else ()):
         for key, kind in (("name", "reward"), ("model", "model")):
@@ -62,6 +70,8 @@ def _is_path(kind: str, value: str) -> bool | None:
         return False
     if kind == "reward":
         return value.endswith(".py") or "/" in value or os.sep in value
+    if kind == "template":  # a .jinja file, or the name of a template TRL ships
+        return value.endswith(".jinja") or "/" in value or os.sep in value
     if kind == "output" or value.startswith(("./", "../", "~")) or value in (".", "..") or os.path.isabs(value):
         return True
     if kind == "data" and value.lower().endswith(DATA_FILE_SUFFIXES):

@@ -50,6 +50,11 @@ class ToolsSection(BaseModel):
         "text to the model instead of ending the run.",
     )
 
+    def summary(self) -> str:
+        """`calculator, env.py:Game; ≤ 4 turns, ≤ 8 calls, 10 s a call` for the plan's table."""
+        what = [*self.functions, *([self.environment] if self.environment else [])]
+        return f"{', '.join(what)}; ≤ {self.max_turns} turns, ≤ {self.max_calls} calls, {self.timeout_s:g} s a call"
+
     @property
     def active(self) -> bool:
         """Whether the recipe uses tools or an environment at all."""
