@@ -234,9 +234,18 @@ def _import_module(target: str, key: str):
         raise UserError(f"{key}: importing module '{target}' failed: {one_line(e)}. Fix: correct that module.") from e
 
 
-def load_user_object(name: str, *, key: str, what: str = "reward function"):
-    """The object `package.module:attr` or `path/to/file.py:attr` names (importing a file runs it). UserError naming
-    `key` for a malformed name, a module or file that does not import, or a missing attribute."""
+def load_user_object(name: str, *, key: str, what: str = "reward function", builtins: dict | None = None):
+    """The object `package.module:attr` or `path/to/file.py:attr` names (importing a file runs it), or the built-in
+    of that name in `builtins`. UserError naming `key` for an unknown built-in, a malformed name, a module or file that
+    does not import, or a missing attribute."""
+    name = name.strip()
+    if builtins is not None and ":" not in name:
+        if name in builtins:
+            return builtins[name]
+        raise UserError(
+            f"{key}: unknown {what.split()[0]} '{name}'{hint_suffix(name, builtins)}. Fix: use a built-in "
+            f"({', '.join(builtins)}), 'package.module:function' or 'path/to/file.py:function'."
+        )
     target, _, attr = name.rpartition(":")
     if not target or not attr.isidentifier():
         raise UserError(f"{key}: '{name}' is malformed. Fix: write 'package.module:function' or 'path/to/file.py:fn'.")
@@ -265,12 +274,7 @@ def resolve_reward(name: str, *, key: str):
         raise UserError(f"{key}: reward name is empty. Fix: use one of {', '.join(BUILTIN_REWARDS)} or 'module:fn'.")
     name = name.strip()
     if ":" not in name:
-        if name in BUILTIN_REWARDS:
-            return BUILTIN_REWARDS[name]
-        raise UserError(
-            f"{key}: unknown reward '{name}'{hint_suffix(name, BUILTIN_REWARDS)}. Fix: use a built-in "
-            f"({', '.join(BUILTIN_REWARDS)}), 'package.module:function' or 'path/to/file.py:function'."
-        )
+        return load_user_object(name, key=key, builtins=BUILTIN_REWARDS)
     fn = load_user_object(name, key=key)
     attr = name.rpartition(":")[2]
     if inspect.isclass(fn) or not callable(fn):

@@ -12,7 +12,7 @@ import inspect
 import operator
 from collections.abc import Callable
 
-from colocate_rl.errors import UserError, hint_suffix, one_line
+from colocate_rl.errors import UserError, one_line
 from colocate_rl.rewards import load_user_object
 
 _OPERATORS = {
@@ -70,15 +70,9 @@ def resolve_tool(name: str, *, key: str) -> Callable:
     """The tool function `name` names: a built-in, `package.module:function` or `path/to/file.py:function`.
     UserError naming `key` for an unknown built-in, an import that fails, a missing name, or something that is not a
     function (TRL calls a tool by its `__name__`)."""
-    name = name.strip()
+    fn = load_user_object(name, key=key, what="tool function", builtins=BUILTIN_TOOLS)
     if ":" not in name:
-        if name in BUILTIN_TOOLS:
-            return BUILTIN_TOOLS[name]
-        raise UserError(
-            f"{key}: unknown tool '{name}'{hint_suffix(name, BUILTIN_TOOLS)}. Fix: use a built-in "
-            f"({', '.join(BUILTIN_TOOLS)}), 'package.module:function' or 'path/to/file.py:function'."
-        )
-    fn = load_user_object(name, key=key, what="tool function")
+        return fn
     if not (inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.iscoroutinefunction(fn)):
         what = "a class" if inspect.isclass(fn) else f"an object of type {type(fn).__name__}"
         raise UserError(
