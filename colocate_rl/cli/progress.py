@@ -42,6 +42,8 @@ def step_line(record: dict[str, Any]) -> str:
     for key in ("reward", "loss"):
         if isinstance(record.get(key), (int, float)):
             parts.append(f"{key} {record[key]:.4f}")
+    if isinstance(record.get("tools/call_frequency"), (int, float)):
+        parts.append(f"tools {record['tools/call_frequency']:.2f}/episode")
     if isinstance(record.get("time/step_s"), (int, float)):
         parts.append(f"{record['time/step_s']:.2f} s/step")
     parts.append(f"{record['wall_s']:.1f} s in all")

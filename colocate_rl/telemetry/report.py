@@ -80,13 +80,23 @@ def run_summary(run: Run) -> dict[str, float | str]:
         out["telemetry overhead (% of step time)"] = 100 * sum(o for o, _ in both) / sum(s for _, s in both)
     if (wall := finite(last, "wall_s")) is not None:
         out["wall time at last step (s)"] = wall
+    if (calls := finite(first, "tools/call_frequency")) is not None:  # a recipe with tools
+        out["tool calls/episode (first step)"] = calls
+        out["tool calls/episode (last step)"] = finite(last, "tools/call_frequency")
     if run.evals:
         out["eval reward (first eval)"] = run.evals[0]["eval/reward"]
         out["eval reward (last eval)"] = run.evals[-1]["eval/reward"]
     return out
 
 
-SUMMARY_FORMATS = {"reward": ".3f", "s/step": ".2f", "tokens/s": ",.0f", "overhead": ".2f", "wall": ".1f"}
+SUMMARY_FORMATS = {
+    "reward": ".3f",
+    "tool calls": ".2f",
+    "s/step": ".2f",
+    "tokens/s": ",.0f",
+    "overhead": ".2f",
+    "wall": ".1f",
+}
 
 
 def _fmt(value: Any, spec: str, signed: bool = False) -> str:
