@@ -1,6 +1,7 @@
 """`colocate-rl mem-probe` measuring mode on CPU: the bisection (fake trials), failure classification, phase peaks
-from a hand-written timeline, the trial runner (timeout ends every process; one real quickstart trial), the CLI
-without a GPU and the benchmark script's dry run."""
+from a hand-written timeline, the trial runner (timeout ends every process; one real quickstart trial), every
+shipped recipe's probe and trial planned (or refused) for fixed hosts, the CLI without a GPU and the benchmark
+script's dry run."""
 
 import json
 import subprocess
@@ -10,14 +11,19 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import CPU, ROOT, assert_user_error, cli, import_benchmark
+from conftest import CPU, GPU8, H200_GIB, ROOT, assert_user_error, cli, cli_here, import_benchmark
 
+from colocate_rl.errors import UserError
 from colocate_rl.launch import failures as F
 from colocate_rl.launch.failures import FAILED, KV_TOO_SMALL, OK, OOM, START_REFUSED, TIMEOUT, TOO_HIGH
 from colocate_rl.memory import peaks
 from colocate_rl.memory import probe as P
 from colocate_rl.memory.bisect import ProbeAborted, TrialResult, bisect
+from colocate_rl.pipeline import read_recipe, resolver
+from colocate_rl.plan.host import Gpu, Host
 from colocate_rl.plan.launch_plan import LaunchPlan
+from colocate_rl.recipe.load import parse_sets
+from colocate_rl.recipe.shipped import shipped_recipes
 
 
 def fake(threshold: float, too_low_below: float = 0.0, unknown_at: float | None = None, log: list | None = None):
@@ -338,6 +344,7 @@ def test_the_probes_settings_come_after_the_users():
         "generation.vllm_gpu_memory_utilization": 0.35,
         "trainer.max_steps": 3,
         "trainer.logging_steps": 1,
+        "eval.every_steps": None,
         "checkpoint.every_steps": None,
         "checkpoint.every_minutes": None,
         "watchdog.step_timeout_minutes": None,
@@ -388,6 +395,169 @@ def test_one_real_trial_of_the_quickstart_on_cpu(tmp_path, monkeypatch):
     assert set(result.peaks) >= {"generation", "training", "optimizer step"}
     assert all(0.1 < v < 8 for v in result.peaks.values())
     assert {"generate", "train", "optimizer"} <= set(result.raw_peaks)
+
+
+# ------------------------------------------------------------------------------------- every shipped recipe
+
+H200 = Host(gpus=(Gpu("H200", H200_GIB),), has_vllm=True, cpu_count=16)  # one H200 with vLLM, as in issue 29
+HOSTS = {"1-h200": H200, "8-gpus": GPU8, "cpu": CPU}
+TRANSFORMERS = (
+    "mem-probe: the recipe generates with transformers here (generation.backend); measuring bisects vLLM's share: "
+    "install vLLM (pip install -e '.[gpu]') or set generation.backend: vllm"
+)
+FOUR_NODES = (
+    "distributed.nnodes: 4 nodes, but the probe's trials run on this machine alone; probe one node with --set "
+    "distributed.nnodes=1 --set distributed.rdzv_endpoint=null (the trainer then shards over 8 ranks, not 32: the "
+    "share found errs low), or estimate with `colocate-rl mem-probe RECIPE --estimate`"
+)
+EIGHT_RANKS = "distributed.nproc_per_node: 8 ranks but this machine has 1 GPU(s); use auto or at most the GPU count"
+# What the probe refuses, per host, and why; every other shipped recipe plans its probe and a trial there.
+REFUSED = {
+    "1-h200": {"qwen2.5-7b-grpo": EIGHT_RANKS, "qwen2.5-72b-grpo-colocate": EIGHT_RANKS},  # written for 8 GPUs
+    "8-gpus": {"qwen2.5-72b-grpo-colocate": FOUR_NODES},  # a trial runs on one machine
+    "cpu": dict.fromkeys(shipped_recipes(), TRANSFORMERS),  # no vLLM: nothing to bisect
+}
+
+
+def plan_shipped(name: str, host: Host, tmp_path: Path, *sets: str, steps: int = 3):
+    """`mem-probe NAME` planned as `_measure` plans it (no process started): the probe, then its first trial's recipe
+    and launch plan. Hub models and datasets are not fetched: their layouts come from the shipped table."""
+    resolve_with = resolver(read_recipe(name, parse_sets(list(sets)), env={}), host)
+    gib = host.gpus[0].memory_gib if host.gpus else H200_GIB
+    plan = P.plan_probe(resolve_with({}), gib, tmp_path / "probe", resolve_with=resolve_with, steps=steps)
+    trial = P.trial_recipe(plan, resolve_with, plan.upper, steps)
+    return plan, trial, P.plan_trial(trial, plan.probe_dir / P.trial_name(1, plan.upper))
+
+
+def test_every_shipped_recipe_is_covered():
+    names = set(shipped_recipes())
+    assert {"smollm2-135m-gsm8k", "smollm2-135m-calculator"} <= names  # eval: and tools: among them
+    assert all(set(refused) <= names for refused in REFUSED.values())
+
+
+@pytest.mark.parametrize("name", sorted(shipped_recipes()))
+@pytest.mark.parametrize("host", sorted(HOSTS))
+def test_every_shipped_recipe_plans_its_probe_or_is_refused_in_one_line(name, host, tmp_path):
+    """Issue 29: a trial of 3 steps turned evaluation's schedule (eval.every_steps 20) into a refusal at the first
+    trial. Every trial now plans with evaluation, checkpoints and the final save off; a recipe the probe cannot
+    measure is refused before any trial, in one line."""
+    source = yaml.safe_load(shipped_recipes()[name].read_text())
+    refused = REFUSED[host].get(name)
+    if refused is not None:
+        with pytest.raises(UserError) as info:
+            plan_shipped(name, HOSTS[host], tmp_path)
+        assert info.value.lines == [refused]
+        return
+    plan, trial, launch = plan_shipped(name, HOSTS[host], tmp_path)
+    recipe = trial.recipe
+    assert recipe.eval.every_steps is None and recipe.trainer.max_steps == 3 and recipe.trainer.logging_steps == 1
+    assert recipe.checkpoint.every_steps is None and recipe.checkpoint.every_minutes is None
+    assert recipe.output.save_model is False and recipe.output.push_to_hub is None
+    assert recipe.watchdog.step_timeout_minutes is None
+    assert recipe.generation.vllm_gpu_memory_utilization == plan.upper and trial.backend == "vllm"
+    assert recipe.tools == plan.resolved.recipe.tools and recipe.model == plan.resolved.recipe.model
+    # the recipe as given keeps what the trials turn off
+    assert plan.resolved.recipe.eval.every_steps == source.get("eval", {}).get("every_steps")
+    assert launch.argv[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in launch.argv
+    written = yaml.safe_load(launch.files["recipe.yaml"])
+    assert written["eval"]["every_steps"] is None and written["trainer"]["max_steps"] == 3
+    assert json.loads(launch.files["launch.json"])["trl_args"]["max_steps"] == 3
+    assert not plan.probe_dir.exists()  # planned, nothing written
+
+
+@pytest.mark.parametrize("name", sorted(shipped_recipes()))
+def test_a_fixed_kv_budget_is_refused_in_one_line(name, tmp_path):
+    with pytest.raises(UserError) as info:
+        plan_shipped(name, GPU8, tmp_path, "distributed.nnodes=1", "generation.kv_cache_memory=12GiB")
+    assert info.value.lines == [
+        "generation.kv_cache_memory: set, so vLLM's share is fixed by it; the probe bisects "
+        "generation.vllm_gpu_memory_utilization: add --set generation.kv_cache_memory=null to probe it"
+    ]
+
+
+def test_the_four_node_recipe_probes_one_node_as_its_refusal_says(tmp_path):
+    sets = ("distributed.nnodes=1", "distributed.rdzv_endpoint=null")
+    plan, trial, launch = plan_shipped("qwen2.5-72b-grpo-colocate", GPU8, tmp_path, *sets)
+    assert trial.world_size == 8 and trial.recipe.eval.every_steps is None and "--standalone" in launch.argv
+
+
+def test_the_line_names_only_what_the_recipe_has_on(tmp_path):
+    plan, _, _ = plan_shipped("smollm2-135m-gsm8k", H200, tmp_path)
+    assert P.turned_off(plan.resolved.recipe) == {
+        "eval.every_steps": 20,
+        "checkpoint.every_minutes": 30.0,
+        "output.save_model": True,
+        "watchdog.step_timeout_minutes": 30.0,
+    }
+    assert P.turned_off_line(plan.resolved.recipe, 3) == (
+        "trials turn off: evaluation (eval.every_steps 20), checkpoints (checkpoint.every_minutes 30), saving the "
+        "model (output.save_model true), the watchdog (watchdog.step_timeout_minutes 30; --trial-timeout ends a "
+        "trial instead) — a trial of 3 steps cannot honour them; the recipe keeps them"
+    )
+    pushed, _, _ = plan_shipped(
+        "qwen2.5-7b-grpo", GPU8, tmp_path / "b", "output.push_to_hub=me/grpo", "watchdog.step_timeout_minutes=null"
+    )
+    line = P.turned_off_line(pushed.resolved.recipe, 5)
+    assert line.startswith(
+        "trials turn off: checkpoints (checkpoint.every_steps 50, checkpoint.every_minutes 30), saving the model "
+        "(output.save_model true), the push to the hub (output.push_to_hub me/grpo) — a trial of 5 steps"
+    )
+    assert "evaluation" not in line and "watchdog" not in line  # qwen2.5-7b-grpo has no eval:
+    off = [f"{key}=null" for key in P.TRIAL_OVERRIDES if key.startswith(("checkpoint.", "watchdog."))]
+    quiet, _, _ = plan_shipped("quickstart", GPU8, tmp_path / "c", *off, "output.save_model=false")
+    assert P.turned_off(quiet.resolved.recipe) == {} and P.turned_off_line(quiet.resolved.recipe, 3) is None
+
+
+def test_measuring_a_recipe_with_eval_says_what_the_trials_turn_off(tmp_path, monkeypatch):
+    """The CLI on the issue's recipe (host and trials faked): the line before the first trial, trials planned with
+    evaluation off, `--json`'s `turned_off`, and `--write`'s copy keeping the recipe's evaluation."""
+    from typer.testing import CliRunner
+
+    from colocate_rl import cli
+    from colocate_rl.plan import host
+
+    monkeypatch.setattr(host, "detect_host", lambda: H200)
+    recipes = []
+
+    def run_trial(plan, util, steps, timeout_s):
+        recipes.append(yaml.safe_load(plan.files["recipe.yaml"]))
+        ok = util <= 0.5
+        return TrialResult(util, OK if ok else OOM, 1.0, steps if ok else 1, str(plan.run_dir))
+
+    monkeypatch.setattr(P, "run_trial", run_trial)
+    out = tmp_path / "probed.yaml"
+    args = ["mem-probe", "smollm2-135m-gsm8k", "--probe-dir", str(tmp_path / "probe"), "--write", str(out)]
+    result = CliRunner().invoke(cli.app, args, env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("probing generation.vllm_gpu_memory_utilization in ")
+    off = next(k for k, line in enumerate(lines) if line.startswith("trials turn off: "))
+    assert lines[off] == (
+        "trials turn off: evaluation (eval.every_steps 20), checkpoints (checkpoint.every_minutes 30), saving the "
+        "model (output.save_model true), the watchdog (watchdog.step_timeout_minutes 30; --trial-timeout ends a "
+        "trial instead) — a trial of 3 steps cannot honour them; the recipe keeps them"
+    )
+    assert off < next(k for k, line in enumerate(lines) if line.startswith("trial 1: share"))
+    assert recipes and all(r["eval"]["every_steps"] is None and r["trainer"]["max_steps"] == 3 for r in recipes)
+    assert "every_steps: 20" in out.read_text()  # the written copy still evaluates
+    quiet = CliRunner().invoke(cli.app, [*args[:2], "--json", "--probe-dir", str(tmp_path / "p2")])
+    assert quiet.exit_code == 0, quiet.output
+    assert json.loads(quiet.stdout.strip().splitlines()[-1])["turned_off"]["eval.every_steps"] == 20
+    assert "trials turn off: evaluation" in quiet.stderr
+
+
+def test_a_recipe_on_several_nodes_is_refused_before_any_trial(tmp_path, monkeypatch):
+    from colocate_rl.plan import host
+
+    monkeypatch.setattr(host, "detect_host", lambda: GPU8)
+    monkeypatch.setattr(P, "run_trial", lambda *a: pytest.fail("no trial runs"))
+    probe = ["--probe-dir", str(tmp_path / "probe")]
+    assert_user_error(cli_here("mem-probe", "qwen2.5-72b-grpo-colocate", *probe), FOUR_NODES, one_line=True)
+    sets = ["--set", "distributed.nnodes=2", "--set", "distributed.rdzv_endpoint=node0:29500"]
+    result = cli_here("mem-probe", "smollm2-135m-gsm8k", *sets, *probe)
+    assert_user_error(result, "distributed.nnodes: 2 nodes, but the probe's", one_line=True)
+    assert result.stderr.strip().endswith("--estimate` (from --set distributed.nnodes)")
+    assert not (tmp_path / "probe").exists()
 
 
 # ----------------------------------------------------------------------------------------------- CLI, script

@@ -196,19 +196,32 @@ def _measure(
     recipe, overrides, host, gib, prompt_tokens, json_out, write, steps, probe_dir, resolution, margin, trial_timeout
 ) -> None:
     from colocate_rl.memory.bisect import ProbeAborted
-    from colocate_rl.memory.probe import SEARCH_ABOVE_ESTIMATE, default_probe_dir, measure, plan_probe
+    from colocate_rl.memory.probe import (
+        SEARCH_ABOVE_ESTIMATE,
+        default_probe_dir,
+        measure,
+        plan_probe,
+        turned_off_line,
+    )
     from colocate_rl.pipeline import read_recipe, resolver
+    from colocate_rl.plan.sources import explain_sources
     from colocate_rl.recipe.load import format_sets, write_recipe_copy
 
     source = read_recipe(recipe, overrides, env=os.environ)
     resolve_with = resolver(source, host)  # the recipe and every trial's variant over one pre-flight
-    plan = plan_probe(
-        resolve_with({}),
-        gib,
-        probe_dir or default_probe_dir(datetime.now()),
-        prompt_tokens=prompt_tokens,
-        resolution=resolution,
-    )
+    resolved = resolve_with({})
+    try:  # a trial's variant is planned here too: its problems come before any trial runs
+        plan = plan_probe(
+            resolved,
+            gib,
+            probe_dir or default_probe_dir(datetime.now()),
+            prompt_tokens=prompt_tokens,
+            resolution=resolution,
+            resolve_with=resolve_with,
+            steps=steps,
+        )
+    except UserError as e:  # distributed.nnodes from Slurm or a flag says so
+        raise UserError(*explain_sources(e.lines, source.sources))
     out = err_console if json_out else console
     out.print(
         f"probing generation.vllm_gpu_memory_utilization in {plan.lower:.3f}–{plan.search_upper:.3f} (the estimated "
@@ -216,6 +229,9 @@ def _measure(
         f"a resolution of {resolution:g}, {steps} steps a trial; trials in {plan.probe_dir}",
         highlight=False,
     )
+    off = turned_off_line(plan.resolved.recipe, steps)
+    if off:
+        out.print(off, highlight=False, markup=False, soft_wrap=True)
     choice, sleep, micro = plan.resolved.layout_choice, plan.resolved.sleep_choice, plan.resolved.micro_batch_choice
     chose = ", ".join(
         ([choice.chosen.label] if choice is not None else [])

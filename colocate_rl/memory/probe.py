@@ -12,7 +12,11 @@ safety margin.
   recipe's own share (a larger share leaves no room for the faster layouts), and the best trial's peak, moved to
   that share, confirms or refutes auto's choice. Likewise `generation.sleep_level: auto`: every trial runs at the
   level auto chose at the recipe's share, and a choice of 0 is checked the same way.
-Fails (UserError) when the recipe cannot be probed (transformers backend, a fixed KV budget, no share fits).
+- A trial turns off what a run of a few steps cannot honour (`TRIAL_OVERRIDES`): evaluation (its schedule is more
+  steps than a trial has), checkpoints, saving and pushing the model, the watchdog (`--trial-timeout` stands in);
+  `turned_off_line` names those the recipe has on. The recipe itself (and `--write`'s copy) keeps them.
+Fails (UserError) when the recipe cannot be probed (transformers backend, a fixed KV budget, several nodes, no share
+fits, a trial that does not plan).
 """
 
 from __future__ import annotations
@@ -36,22 +40,62 @@ from colocate_rl.memory.peaks import comparison, peak_at_share, phase_peaks
 from colocate_rl.plan.launch_plan import LaunchPlan, cache_dir, make_plan
 from colocate_rl.plan.resolved import Resolved
 from colocate_rl.recipe.load import format_sets
+from colocate_rl.recipe.schema import Recipe
 from colocate_rl.rundir import RunDir, read_metrics
 
 SEARCH_ABOVE_ESTIMATE = 0.05  # the estimate can be low by a few hundredths of the share: its top is tried first
 TRIAL_OVERRIDES = {
     "trainer.logging_steps": 1,
+    "eval.every_steps": None,  # every_steps > a trial's max_steps is refused; and it would evaluate at step 0
     "checkpoint.every_steps": None,
     "checkpoint.every_minutes": None,
-    "watchdog.step_timeout_minutes": None,
+    "watchdog.step_timeout_minutes": None,  # --trial-timeout ends a trial instead
     "output.save_model": False,
     "output.push_to_hub": None,  # a trial saves no model, so it pushes none
+}
+# What `turned_off_line` calls what a trial turns off, and the TRIAL_OVERRIDES keys that turn it on in a recipe
+TURNED_OFF = {
+    "evaluation": ("eval.every_steps",),
+    "checkpoints": ("checkpoint.every_steps", "checkpoint.every_minutes"),
+    "saving the model": ("output.save_model",),
+    "the push to the hub": ("output.push_to_hub",),
+    "the watchdog": ("watchdog.step_timeout_minutes",),
 }
 
 
 def trial_overrides(util: float, steps: int) -> dict[str, Any]:
     """What the probe sets for one trial, after the user's overrides and the pinned layout."""
     return {"generation.vllm_gpu_memory_utilization": util, "trainer.max_steps": steps, **TRIAL_OVERRIDES}
+
+
+def _value(recipe: Recipe, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(recipe, section), name)
+
+
+def turned_off(recipe: Recipe) -> dict[str, Any]:
+    """The keys of `TURNED_OFF` that `recipe` has on (not null, not false), with its values: what every trial
+    turns off that the recipe would do."""
+    keys = [key for group in TURNED_OFF.values() for key in group]
+    return {key: _value(recipe, key) for key in keys if _value(recipe, key) not in (None, False)}
+
+
+def turned_off_line(recipe: Recipe, steps: int) -> str | None:
+    """One line naming what the trials turn off that `recipe` has on (None: nothing), for before the trials."""
+    on = turned_off(recipe)
+
+    def shown(value: Any) -> str:
+        return "true" if value is True else f"{value:g}" if isinstance(value, float) else str(value)
+
+    items = []
+    for what, keys in TURNED_OFF.items():
+        given = [f"{key} {shown(on[key])}" for key in keys if key in on]
+        if given:
+            extra = "; --trial-timeout ends a trial instead" if what == "the watchdog" else ""
+            items.append(f"{what} ({', '.join(given)}{extra})")
+    if not items:
+        return None
+    return f"trials turn off: {', '.join(items)} — a trial of {steps} steps cannot honour them; the recipe keeps them"
 
 
 def trial_name(k: int, util: float) -> str:
@@ -119,13 +163,31 @@ class ProbePlan:
 
 
 def plan_probe(
-    resolved: Resolved, gpu_gib: float, probe_dir: Path, *, prompt_tokens: int | None = None, resolution: float = 0.01
+    resolved: Resolved,
+    gpu_gib: float,
+    probe_dir: Path,
+    *,
+    prompt_tokens: int | None = None,
+    resolution: float = 0.01,
+    resolve_with: Callable[[Mapping[str, Any]], Resolved] | None = None,
+    steps: int = 3,
 ) -> ProbePlan:
-    """Check that `resolved` can be probed and compute the window. Fails (UserError) with the fix otherwise."""
+    """Check that `resolved` can be probed and compute the window; with `resolve_with` (as `measure` takes it), also
+    that a trial of `steps` steps plans (`trial_recipe`), so that its problems come before any trial runs. Fails
+    (UserError) with the fix otherwise."""
     if resolved.backend != "vllm":
         raise UserError(
             "mem-probe: the recipe generates with transformers here (generation.backend); measuring bisects vLLM's "
             "share: install vLLM (pip install -e '.[gpu]') or set generation.backend: vllm"
+        )
+    dist = resolved.recipe.distributed
+    if dist.nnodes > 1:
+        fix = "--set distributed.nnodes=1" + (" --set distributed.rdzv_endpoint=null" if dist.rdzv_endpoint else "")
+        raise UserError(
+            f"distributed.nnodes: {dist.nnodes} nodes, but the probe's trials run on this machine alone; probe one "
+            f"node with {fix} (the trainer then shards over {resolved.world_size // dist.nnodes} ranks, not "
+            f"{resolved.world_size}: the share found errs low), or estimate with `colocate-rl mem-probe RECIPE "
+            "--estimate`"
         )
     est = estimate(resolved, gpu_gib, prompt_tokens)
     if est.kv_budget_gib is not None:
@@ -147,7 +209,17 @@ def plan_probe(
         pinned["generation.sleep_level"] = resolved.sleep_choice.level
     if resolved.micro_batch_choice is not None:
         pinned["trainer.micro_batch_size"] = resolved.micro_batch_choice.size
-    return ProbePlan(resolved, est, lower, upper, min(1.0, upper + SEARCH_ABOVE_ESTIMATE), pinned, probe_dir)
+    plan = ProbePlan(resolved, est, lower, upper, min(1.0, upper + SEARCH_ABOVE_ESTIMATE), pinned, probe_dir)
+    if resolve_with is not None:
+        trial_recipe(plan, resolve_with, upper, steps)
+    return plan
+
+
+def trial_recipe(
+    plan: ProbePlan, resolve_with: Callable[[Mapping[str, Any]], Resolved], util: float, steps: int
+) -> Resolved:
+    """A trial's recipe: the user's (`resolve_with`), the layout pinned, then the probe's `trial_overrides`."""
+    return resolve_with({**plan.pinned, **trial_overrides(util, steps)})
 
 
 @dataclass
@@ -159,7 +231,8 @@ class Measurement:
 
     def to_json(self) -> dict[str, Any]:
         """The probe for `--json`: window, trials, largest/smallest passing share, recommendation, measured vs
-        estimated peaks at the largest passing share, the pinned layout and its check."""
+        estimated peaks at the largest passing share, the pinned layout and its check, what the trials turned off
+        (`turned_off`: key → the recipe's value)."""
         plan, result, best = self.plan, self.result, self.result.best_trial()
         out: dict[str, Any] = {
             "window": {"lower": result.lower, "upper": result.upper, "resolution": result.resolution},
@@ -180,6 +253,7 @@ class Measurement:
             },
             "searched": [round(plan.lower, 4), round(plan.search_upper, 4)],
             "pinned_sets": format_sets(plan.pinned),
+            "turned_off": turned_off(plan.resolved.recipe),
             **out,
             "layout_check": self.layout_check,
             "sleep_check": self.sleep_check,
@@ -206,7 +280,7 @@ def measure(
         count += 1
         if on_start:
             on_start(count, util)
-        resolved = resolve_with({**plan.pinned, **trial_overrides(util, steps)})
+        resolved = trial_recipe(plan, resolve_with, util, steps)
         result = run_trial(plan_trial(resolved, plan.probe_dir / trial_name(count, util)), util, steps, timeout_s)
         if on_trial:
             on_trial(count, result)
