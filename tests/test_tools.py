@@ -331,3 +331,21 @@ def test_a_renamed_multi_turn_symbol_ends_the_run_with_one_line(monkeypatch):
     assert line.startswith(
         "trl GRPOTrainer._tool_call_loop is missing: colocate-rl relies on it (installed: trl 1.16.0"
     )
+
+
+def test_a_timer_set_before_a_tool_call_still_fires():
+    """pytest-timeout (or any caller) may have a SIGALRM timer running: a tool call puts it back, less the time taken."""
+    import signal
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: fired.append(True))
+    signal.setitimer(signal.ITIMER_REAL, 0.6)
+    try:
+        assert guard(timeout_s=5).wrap(calculator, 0)(expression="1+1") == "2"
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 0 < remaining <= 0.6
+        time.sleep(0.8)
+        assert fired == [True]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -18,6 +18,7 @@ import functools
 import inspect
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -54,7 +55,8 @@ def _call_with_timeout(fn: Callable, kwargs: dict[str, Any], seconds: float):
             raise _Expired
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds, 0.5)
+    start = time.monotonic()
+    delay, interval = signal.setitimer(signal.ITIMER_REAL, seconds, 0.5)  # an earlier timer is put back after
     try:
         return fn(**kwargs)
     except _Expired:
@@ -65,6 +67,8 @@ def _call_with_timeout(fn: Callable, kwargs: dict[str, Any], seconds: float):
         armed[0] = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if delay:
+            signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - start), 1e-3), interval)
 
 
 class ToolGuard:
