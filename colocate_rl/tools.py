@@ -44,13 +44,13 @@ def _evaluate(node: ast.AST) -> int | float:
 
 
 def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression and return the result.
+    """Evaluate an arithmetic expression with +, -, * and / on numbers.
 
     Args:
-        expression: The expression to evaluate, with numbers, + - * / and parentheses, e.g. "17 + 25".
+        expression: The arithmetic expression to evaluate.
 
     Returns:
-        The value of the expression.
+        The result, as a string.
     """
     if len(expression) > _MAX_EXPRESSION:
         raise ValueError(f"expression longer than {_MAX_EXPRESSION} characters")
