@@ -179,8 +179,8 @@ def plan_run(
 ) -> LaunchPlan:
     """The launch plan of `train`: run dir from `--run-dir`, else the recipe's `output.run_dir`, else
     runs/<name>-<time> (several nodes: runs/<name>-<rdzv id>, the same on every node); caches under
-    $XDG_CACHE_HOME/colocate-rl. UserError when the run dir's name is too long or the cache cannot be written
-    (`check_launch_paths`)."""
+    $XDG_CACHE_HOME/colocate-rl; the step-time forecast goes into the run dir's forecast.json (`forecast_file`).
+    UserError when the run dir's name is too long or the cache cannot be written (`check_launch_paths`)."""
     dist = resolved.recipe.distributed
     if run_dir is None:
         explicit = resolved.recipe.output.run_dir
@@ -191,7 +191,22 @@ def plan_run(
         )
     run_dir = (cwd / run_dir) if not run_dir.is_absolute() else run_dir
     check_launch_paths(run_dir, cache_dir(env), this_machine=not resolved.host.assumed)
-    return make_plan(resolved, run_dir=run_dir, python=python, cwd=cwd, cache_dir=cache_dir(env), base_env=env)
+    return make_plan(
+        resolved,
+        run_dir=run_dir,
+        python=python,
+        cwd=cwd,
+        cache_dir=cache_dir(env),
+        base_env=env,
+        forecast=forecast_file(resolved),
+    )
+
+
+def forecast_file(resolved: Resolved) -> str:
+    """The run directory's forecast.json: the step-time forecast of `resolved` (or why there is none)."""
+    from colocate_rl.memory.forecast import forecast, forecast_json
+
+    return forecast_json(forecast(resolved))
 
 
 def estimate_host(
@@ -366,5 +381,5 @@ def plan_resume(
         cache_dir=cache_dir(env),
         base_env=env,
         resume_from=str(latest),
-    )
+    )  # forecast.json stays as the run's start wrote it
     return resolved, plan

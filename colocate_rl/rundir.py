@@ -4,7 +4,7 @@
 `DONE`, each rank writes `timeline/rank<N>.jsonl` and `events.jsonl` records; `report`, `mem-probe` and the
 benchmarks read them back. Layout (several nodes add `nodes/<node_rank>/` for each node's own files):
 
-    recipe.yaml  launch.json  launch.sh  deepspeed.json  model -> built-in model  train.log  .owner.lock
+    recipe.yaml  launch.json  launch.sh  deepspeed.json  forecast.json  model -> built-in model  train.log  .owner.lock
     metrics.jsonl  events.jsonl  timeline/rank<N>.jsonl  final/  DONE
     nodes/<node_rank>/{launch.sh, recipe-identity.json, train.log, ranks/}
 
@@ -28,6 +28,7 @@ RECIPE = "recipe.yaml"  # the resolved recipe every rank reads
 LAUNCH_SPEC = "launch.json"  # colocate_rl.plan.launch_spec.LaunchSpec
 LAUNCH_SCRIPT = "launch.sh"  # the same launch, runnable by hand
 DEEPSPEED = "deepspeed.json"
+FORECAST = "forecast.json"  # the step-time forecast of the plan (colocate_rl.memory.forecast), read by `report`
 MODEL_LINK = "model"  # link to the built-in model, when model.name is builtin:<layout>
 LOG = "train.log"  # torchrun's combined output of this node
 METRICS = "metrics.jsonl"  # rank 0: one record per logged step
@@ -44,7 +45,7 @@ RANK_LOGS = "ranks"  # nodes/<node_rank>/ranks/: torchrun's per-rank logs
 OWNER_LOCK = ".owner.lock"  # flock'd by the launcher or launch.sh that runs it (colocate_rl.launch.owner)
 
 # What other nodes of the same multi-node run may already have put into a shared run directory.
-SHARED_BEFORE_START = {RECIPE, LAUNCH_SPEC, DEEPSPEED, MODEL_LINK, NODES_DIR}
+SHARED_BEFORE_START = {RECIPE, LAUNCH_SPEC, DEEPSPEED, FORECAST, MODEL_LINK, NODES_DIR}
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class RunDir:
     @property
     def deepspeed(self) -> Path:
         return self.path / DEEPSPEED
+
+    @property
+    def forecast(self) -> Path:
+        return self.path / FORECAST
 
     @property
     def model(self) -> Path:

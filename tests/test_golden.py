@@ -1,6 +1,6 @@
 """Behaviour pinned across refactors: `train --dry-run`, the run-dir files of the plan (launch.sh, launch.json,
-recipe.yaml, deepspeed.json, the node files), the argv and environment of the launch, `mem-probe --estimate --json`
-of every shipped recipe are identical to the copies recorded in tests/golden/ (recorded before the package was
+recipe.yaml, deepspeed.json, forecast.json, the node files), the argv and environment of the launch,
+`mem-probe --estimate --json` of every shipped recipe are identical to the copies recorded in tests/golden/ (recorded before the package was
 restructured). The tables of `validate` and `mem-probe --estimate` are compared by what they say, not how rich draws
 them (rich is not pinned): borders dropped, each line's cells joined by one space.
 
@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from colocate_rl.cli import app
-from colocate_rl.pipeline import load_resolved
+from colocate_rl.pipeline import forecast_file, load_resolved
 from colocate_rl.plan.host import planning_host
 from colocate_rl.plan.launch_plan import extensions_dir, make_plan
 from colocate_rl.plan.sources import parse_node_flags
@@ -108,6 +108,7 @@ def test_dry_run_and_run_dir_files_are_unchanged(case, clean_env):
             cwd=Path("/cwd"),
             cache_dir=Path("/cache/colocate-rl"),
             base_env={},
+            forecast=forecast_file(resolved),
         )
         got.update(files=plan.files, env=plan.env, argv=plan.argv, builtin_model=plan.builtin_model)
     _compare(path, got)

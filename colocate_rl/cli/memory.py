@@ -177,8 +177,12 @@ def _estimate(recipe, overrides, detected, gpus, gpu_memory, prompt_tokens, json
         console.print(table)
         # planning for this machine (its GPUs, not --gpus N of another node): offload must fit its RAM
         ram = detected.ram_gib if detected.gpus and gpus is None else None
+        from colocate_rl.cli.train import forecast_lines
+
         for line in recommendation_lines(rec, ram) + rec.base.resolved.choice_lines():
             console.print(line, highlight=False, soft_wrap=True)
+        for line in forecast_lines(rec.base.resolved):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
     if write is not None:
         if rec.final is None:
             raise UserError("--write: no change tried makes the recipe fit; nothing written")

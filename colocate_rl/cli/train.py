@@ -173,6 +173,14 @@ def choice_lines(resolved) -> list[str]:
     return lines
 
 
+def forecast_lines(resolved) -> list[str]:
+    """The step-time forecast (colocate_rl.memory.forecast) of `resolved`: a few lines, or one saying why none."""
+    from colocate_rl.memory.forecast import forecast
+    from colocate_rl.memory.forecast import forecast_lines as lines
+
+    return lines(forecast(resolved))
+
+
 @app.command()
 @guarded
 def validate(
@@ -192,7 +200,7 @@ def validate(
     flags = parse_node_flags(nnodes, node_rank, rdzv_endpoint, rdzv_id)
     resolved, _ = _load(recipe, parse_sets(set_, set_str), gpus, gpu_memory, flags)
     console.print(summary_table(resolved))
-    for line in choice_lines(resolved):
+    for line in choice_lines(resolved) + forecast_lines(resolved):
         console.print(line, highlight=False, soft_wrap=True)
     console.print("[green]recipe is valid[/]")
 
@@ -279,7 +287,7 @@ def train(
                 print(f"# recipe hash: {plan.recipe_hash} (must be the same on every node)")
             if note:
                 print(f"# note: {note}")
-            for line in choice_lines(resolved):
+            for line in choice_lines(resolved) + forecast_lines(resolved):
                 print(f"# {line}")
             if plan.resume_from is not None:
                 print(f"# resumes from {plan.resume_from}")

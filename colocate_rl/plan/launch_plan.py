@@ -149,8 +149,10 @@ def make_plan(
     cache_dir: Path,
     base_env: Mapping[str, str],
     resume_from: str | None = None,
+    forecast: str | None = None,
 ) -> LaunchPlan:
-    """Everything `train` will do, decided without touching the filesystem or the environment."""
+    """Everything `train` will do, decided without touching the filesystem or the environment. `forecast`: the
+    step-time forecast's forecast.json (`colocate_rl.memory.forecast.forecast_json`), shared by every node."""
     recipe = resolved.recorded_recipe().model_copy(deep=True)  # every auto as decided: the ranks and a resume read it
     recipe.output.run_dir = str(run_dir)
     env = rank_env(resolved, base_env, cache_dir, python)
@@ -199,6 +201,8 @@ def make_plan(
         }
     if resolved.deepspeed is not None:
         files[rundir.DEEPSPEED] = json.dumps(resolved.deepspeed, indent=2) + "\n"
+    if forecast is not None:
+        files[rundir.FORECAST] = forecast
     builtin = None
     if resolved.builtin_layout:
         # Built once per machine into the cache (a 7B layout takes minutes); the run dir's model/ links to it.

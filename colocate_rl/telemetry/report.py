@@ -8,6 +8,7 @@ directory, a run with no logged steps, or an --out that cannot be written.
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from colocate_rl.errors import UserError
+from colocate_rl.rundir import RunDir
 from colocate_rl.telemetry.runs import PHASES, Run, load_run, phase_names, run_names
 from colocate_rl.telemetry.timeline import finite
 
@@ -53,7 +55,8 @@ def memory_stats(run: Run) -> dict[str, tuple[float, float]]:
 
 
 def run_summary(run: Run) -> dict[str, float | str]:
-    """Steps, reward first/last, median s/step, median tokens/s, telemetry overhead (% of step time)."""
+    """Steps, reward first/last, median s/step, median tokens/s, telemetry overhead (% of step time), and the
+    step-time forecast against the run (`forecast_vs_measured`)."""
     first, last = run.steps[0], run.steps[-1]
     out: dict[str, float | str] = {
         "steps": f"{int(last['step'])}/{last.get('max_steps', '?')}",
@@ -86,6 +89,45 @@ def run_summary(run: Run) -> dict[str, float | str]:
     if run.evals:
         out["eval reward (first eval)"] = run.evals[0]["eval/reward"]
         out["eval reward (last eval)"] = run.evals[-1]["eval/reward"]
+    return {**out, **forecast_vs_measured(run)}
+
+
+def _versus(forecast: float, measured: float) -> str:
+    off = f" ({100 * (forecast - measured) / measured:+.0f} %)" if measured > 0 else ""
+    return f"{forecast:.2f} vs {measured:.2f}{off}"
+
+
+def forecast_vs_measured(run: Run) -> dict[str, str]:
+    """The plan's step-time forecast (forecast.json, `colocate_rl.memory.forecast`) against the run: s/step and
+    each phase, forecast vs the median over the steps after the first (a phase: the sum of its metrics; the rest:
+    the step less every phase's metrics). {} for a run directory without one (written before forecasts)."""
+    try:
+        record = json.loads(RunDir(run.path).forecast.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    if not record.get("available"):
+        return {"forecast": f"none — {record.get('reason', 'not recorded')}"}
+    timed = [r for r in (run.steps[1:] or run.steps) if finite(r, "time/step_s") is not None]
+    try:
+        phases = {name: (float(p["s"]), list(p.get("metrics") or [])) for name, p in record["phases"].items()}
+        predicted = float(record["s_per_step"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return {"forecast": f"{RunDir(run.path).forecast.name} unreadable"}
+    if not timed:
+        return {"forecast s/step (nothing measured)": f"{predicted:.2f}"}
+    listed = [m for _, metrics in phases.values() for m in metrics]
+
+    def spent(r: dict, metrics: list[str]) -> float:
+        return sum(finite(r, f"time/{m}_s") or 0.0 for m in metrics)
+
+    out = {
+        "s/step: forecast vs measured median": _versus(predicted, statistics.median(r["time/step_s"] for r in timed))
+    }
+    for name, (seconds, metrics) in phases.items():
+        values = [spent(r, metrics) if metrics else r["time/step_s"] - spent(r, listed) for r in timed]
+        out[f"  {name} s: forecast vs measured"] = _versus(seconds, statistics.median(values))
     return out
 
 

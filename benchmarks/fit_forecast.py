@@ -1,0 +1,366 @@
+"""Fit the step-time forecast (`colocate_rl.memory.forecast`) to the measured rows, and measure its error.
+
+    python benchmarks/fit_forecast.py            # the rows, the fit, the errors; FITTED etc. as Python to paste
+
+No GPU needed: it reads docs/benchmarks/results/*.jsonl. Each row is resolved as the run was planned (the recipe
+as it was shipped then, the `--set` options of the row's own command, on H200s), so that the forecast's features
+come from `forecast.shape_of`, as they do for a user's recipe. Each phase's constants are fitted by least squares on
+the relative error (every row counts alike, whatever its size) over the rows that measured that phase; the rest
+is the row's s/step less the four timed phases. The error of s/step is taken with each row left out of every
+phase's fit in turn (leave one out), and with each results file left out (leave one file out).
+
+The rows (colocate-rl's engine, alone on one H200 or two, CUDA graphs), by file:
+- engine-results: the three rows of colocate-rl's engine (0.5B sleep 2 and 0; 1.5B ZeRO-3 on 2 GPUs).
+- layouts-results: the colocated rows (1.5B, 2 GPUs, 32 and 256 completions; auto/ZeRO-2, ZeRO-3, DDP).
+- generation-results: the `colocated` part of the unprofiled invocations (a16, a128, c256, with and without
+  micro-batch auto); the first a16 row measured its generate phase only.
+- seam-ab-results: the four 256-completion SmolLM2 rows (no optimizer figure: generation, weight push, s/step).
+- real-model-results: `mode: timing`, full fine-tuning (s/step and weight push only).
+Left out, and why: TRL's engine (engine `*-trl-*`, generation `+trl` and `trl_engine`, same-learning `engine: trl`)
+and TRL's server mode (layouts `server*`): another engine, which gets no forecast; the profiled invocations
+(generation `profiled`: the torch profiler ran, and the machine drifted, README "Speed"); runs sharing a GPU
+(real-model `matrix`, same-learning, tools) and eager vLLM (tools, mem-probe: no step times either); the LoRA
+timing row (LoRA is not modelled; its error is printed apart).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from colocate_rl.memory import forecast as fc  # noqa: E402
+from colocate_rl.pipeline import resolve  # noqa: E402
+from colocate_rl.plan.host import Gpu, Host  # noqa: E402
+from colocate_rl.recipe.load import apply_overrides, parse_recipe, parse_sets  # noqa: E402
+
+RESULTS = ROOT / "docs" / "benchmarks" / "results"
+H200_GIB = 143_771 / 1024
+# The shipped recipes the rows ran, as they were then (unchanged since but for comments): kept here so that editing a
+# shipped recipe does not move the fit.
+DIGITS = {"algorithm": "grpo", "data": {"source": "builtin:digits"}, "rewards": [{"name": "digit_share"}]}
+GEN = {"backend": "auto", "vllm_gpu_memory_utilization": 0.25, "sleep_level": 2, "max_model_length": 512}
+TRAINER = {"learning_rate": 1e-6, "num_generations": 8, "max_completion_length": 256, "max_steps": 20, "seed": 0}
+RECIPES = {
+    "gpu-0.5b-layout": {
+        "name": "gpu-0.5b-layout",
+        **DIGITS,
+        "model": {"name": "builtin:qwen2.5-0.5b"},
+        "trainer": {**TRAINER, "per_device_train_batch_size": 16, "gradient_checkpointing": "auto"},
+        "generation": GEN,
+        "distributed": {"nproc_per_node": "auto", "zero_stage": "auto"},
+    },
+    "gpu-1.5b-layout-zero3": {
+        "name": "gpu-1.5b-layout-zero3",
+        **DIGITS,
+        "model": {"name": "builtin:qwen2.5-1.5b"},
+        "trainer": {**TRAINER, "per_device_train_batch_size": 8},
+        "generation": GEN,
+        "distributed": {"nproc_per_node": "auto", "deepspeed": "zero3"},
+    },
+    "smollm2-135m-gsm8k": {  # the model by its hub id (the runs named a local copy), the data as shipped
+        "name": "smollm2-135m-gsm8k",
+        "algorithm": "grpo",
+        "model": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+        "data": {"source": "openai/gsm8k", "subset": "main", "split": "train", "prompt_field": "question"},
+        "rewards": [{"name": "math_verify"}, {"name": "hash_answer_format", "weight": 0.5}],
+        "trainer": {
+            "learning_rate": 1e-5,
+            "per_device_train_batch_size": 32,
+            "num_generations": 8,
+            "max_completion_length": 256,
+            "max_steps": 100,
+            "beta": 0.0,
+            "seed": 0,
+        },
+        "eval": {"every_steps": 20, "num_samples": 200, "temperature": 0.0},
+        "generation": {"vllm_gpu_memory_utilization": 0.3, "sleep_level": "auto", "max_model_length": 768},
+        "distributed": {"nproc_per_node": "auto", "zero_stage": "auto"},
+    },
+}
+AS_WRITTEN = "trainer.micro_batch_size=null"  # rows measured before `micro_batch_size: auto` existed
+MACHINE_PATHS = ("model.name", "data.source")  # the run's local copies: the recipe's hub names instead
+
+
+@dataclass
+class Row:
+    source: str  # results file
+    key: str  # which row of it
+    resolved: object
+    shape: fc.Shape  # forecast.shape_of(resolved)
+    measured: dict[str, float]  # phase (forecast.PHASES) and "s/step" → seconds, those the row has
+    lora: bool = False
+    mean_tokens: float | None = None  # the completions' measured mean length, where the row has it
+
+
+def h200(gpus: int) -> Host:
+    return Host(gpus=(Gpu("NVIDIA H200", H200_GIB),) * gpus, has_vllm=True, cpu_count=16 * gpus)
+
+
+def resolved_row(recipe: str, sets: list[str], gpus: int):
+    sets = [s for s in sets if s.split("=")[0] not in MACHINE_PATHS] + [f"distributed.nproc_per_node={gpus}"]
+    return resolve(parse_recipe(apply_overrides(RECIPES[recipe], parse_sets(sets))), h200(gpus))
+
+
+def command_sets(command: str) -> tuple[str, list[str]]:
+    """The recipe name and the `--set` options of a `colocate-rl train` command line."""
+    words = shlex.split(command)
+    recipe = next(Path(w).stem for w in words if w.endswith(".yaml"))
+    return recipe, [b for a, b in zip(words, words[1:]) if a == "--set"]
+
+
+def phases(times: dict[str, float | None], total: float | None, sleep_level: int) -> dict[str, float]:
+    """A row's phases from its timed phases (name → s; None or absent: not measured). A phase counts when its
+    metrics were measured: the weight check, which older rows do not list, counts as 0 (it is then in the rest),
+    wake and sleep are 0 at sleep level 0; the rest counts when the four other phases do."""
+    optional = {"weight_check"} | ({"wake", "sleep"} if sleep_level == 0 else set())
+    out: dict[str, float] = {}
+    for phase, metrics in fc.PHASE_METRICS.items():
+        if metrics and all(times.get(m) is not None for m in metrics if m not in optional):
+            out[phase] = sum(times.get(m) or 0.0 for m in metrics)
+    if total is not None:
+        out["s/step"] = total
+        if all(p in out for p in fc.PHASES if p != "rest"):
+            out["rest"] = total - sum(out[p] for p in fc.PHASES if p != "rest")
+    return out
+
+
+def _jsonl(name: str) -> list[dict]:
+    return [json.loads(line) for line in (RESULTS / name).read_text().splitlines() if line.strip()]
+
+
+def load_rows() -> list[Row]:
+    """The rows of the fit (see the module docstring), the LoRA timing row last."""
+    rows = []
+
+    def add(source, key, recipe, sets, gpus, times, total, lora=False, mean_tokens=None):
+        r = resolved_row(recipe, sets, gpus)
+        measured = phases(times, total, r.recipe.generation.sleep_level)
+        rows.append(Row(source, key, r, fc.shape_of(r), measured, lora, mean_tokens))
+
+    for x in _jsonl("engine-results.jsonl"):
+        if "-trl-" not in x["row"]:
+            times = {k[5:-2]: v for k, v in x.items() if k.startswith("time/")}
+            recipe, sets = command_sets(x["command"])
+            add(
+                "engine-results",
+                x["row"],
+                recipe,
+                [*sets, AS_WRITTEN],
+                2 if "2gpu" in x["row"] else 1,
+                times,
+                x["s_per_step"],
+            )
+    for x in _jsonl("layouts-results.jsonl"):
+        if not x["row"].startswith("server"):
+            recipe, sets = command_sets(x["command"])
+            times = {k[5:-2]: v for k, v in x["times"].items()}
+            key = f"{x['row']} ({x.get('session', '2026-11-30 #1')})"
+            add("layouts-results", key, recipe, [*sets, AS_WRITTEN], 2, times, x["median_s_per_step"])
+    for x in _jsonl("generation-results.jsonl"):
+        if "+trl" not in x["workload"] and not x.get("profiled"):
+            c, (recipe, sets) = x["colocated"], command_sets(x["commands"][0])
+            first_session = x.get("session") is None and "micro_batch_size" not in x["commands"][0]
+            times = {
+                "generate": c["s_per_batch"],
+                **{k: c.get(f"{k}_s") for k in ("train", "optimizer", "weight_sync", "wake", "sleep")},
+            }
+            key = f"{x['workload']} ({x.get('session', '2026-12-02')})"
+            sets += [AS_WRITTEN] * first_session
+            add(
+                "generation-results",
+                key,
+                recipe,
+                sets,
+                1,
+                times,
+                c.get("s_per_step"),
+                False,
+                c["completion_mean_length"],
+            )
+    for x in _jsonl("seam-ab-results.jsonl"):
+        times = {k: x[f"{k}_s"] for k in ("generate", "train", "weight_sync", "prepare")}
+        sets = ["eval.every_steps=null", "trainer.gradient_accumulation_steps=8", "trainer.max_steps=12"]
+        add(
+            "seam-ab-results",
+            f"{x['order']}: {x['code']}",
+            "smollm2-135m-gsm8k",
+            sets,
+            1,
+            times,
+            x["median_s_per_step_from_3"],
+        )
+    lora_rows = []
+    for x in _jsonl("real-model-results.jsonl"):
+        if x["mode"] == "timing":
+            sets = [f"trainer.max_steps={x['steps_asked']}", *["model.lora=true"] * x["lora"]]
+            add(
+                "real-model-results",
+                f"timing {x['row']}",
+                "smollm2-135m-gsm8k",
+                sets,
+                1,
+                {"weight_sync": x["weight_sync_s"]},
+                x["s_per_step"],
+                x["lora"],
+            )
+            if x["lora"]:
+                lora_rows.append(rows.pop())
+    return rows + lora_rows
+
+
+def startup() -> tuple[float, float, float, int]:
+    """Start-up of the engine and layouts rows that recorded their wall time: wall − steps × s/step; (median, min,
+    max, rows). The real-model rows are left out: their wall time holds three held-out evaluations."""
+    values = [
+        x["wall_s"] - x["steps"] * x["s_per_step"] for x in _jsonl("engine-results.jsonl") if "-trl-" not in x["row"]
+    ]
+    values += [
+        x["elapsed_s"] - x["steps_logged"] * x["median_s_per_step"]
+        for x in _jsonl("layouts-results.jsonl")
+        if not x["row"].startswith("server") and "elapsed_s" in x
+    ]
+    return statistics.median(values), min(values), max(values), len(values)
+
+
+def fit_phase(phase: str, rows: list[Row]) -> dict[str, float]:
+    """Least squares of the relative error over the rows that measured `phase` (and have a term for it)."""
+    terms = fc.TERMS[phase]
+    data = [(r, [float(x(r.shape)) for _, x in terms]) for r in rows if phase in r.measured]
+    data = [(r, xs) for r, xs in data if any(xs)]
+    X = np.array([xs for _, xs in data])
+    y = np.array([r.measured[phase] for r, _ in data])
+    coef, *_ = np.linalg.lstsq(X / y[:, None], np.ones(len(y)), rcond=None)
+    return {name: float(c) for (name, _), c in zip(terms, coef)}
+
+
+def fit(rows: list[Row]) -> dict[str, float]:
+    fitted = {}
+    for phase in fc.PHASES:
+        fitted.update(fit_phase(phase, [r for r in rows if not r.lora]))
+    return fitted
+
+
+def errors(rows: list[Row], fitted_without) -> dict[str, list[tuple[Row, float]]]:
+    """Per phase and for s/step: (row, relative error in %) of each non-LoRA row, the constants fitted by
+    `fitted_without(row)`."""
+    out: dict[str, list[tuple[Row, float]]] = {k: [] for k in ("s/step", *fc.PHASES)}
+    for row in (r for r in rows if not r.lora):
+        got = fc.phase_seconds(row.shape, fitted_without(row))
+        for k, measured in row.measured.items():
+            predicted = sum(got.values()) if k == "s/step" else got[k]
+            if measured > 0:  # a phase the row did not spend time in (sleep/wake at sleep 0) has no relative error
+                out[k].append((row, 100 * (predicted - measured) / measured))
+    return out
+
+
+def summary(errs: dict[str, list[tuple[Row, float]]]) -> dict[str, tuple[float, float, int]]:
+    return {
+        k: (round(statistics.median(abs(e) for _, e in v), 1), round(max(abs(e) for _, e in v), 1), len(v))
+        for k, v in errs.items()
+    }
+
+
+def covered(rows: list[Row]) -> dict[str, tuple]:
+    shapes = [r.shape for r in rows if not r.lora]
+
+    def span(attr: str, digits: int | None = None) -> tuple:
+        values = [getattr(s, attr) for s in shapes]
+        return (round(min(values), digits), round(max(values), digits)) if digits else (min(values), max(values))
+
+    spans = {
+        a: span(a, 3 if a == "params_b" else None)
+        for a in ("params_b", "tokens", "completions", "micro_batches", "gpus")
+    }
+    return {**spans, "sleep_levels": tuple(sorted({s.sleep_level for s in shapes}))}
+
+
+def with_mean_length(rows: list[Row]) -> list[Row]:
+    """The rows with L = the completions' measured mean length instead of max_completion_length: where a row did not
+    record it, the mean of the rows of the same model that did (SmolLM2: 216 of 256; the random-init layouts: 256)."""
+    by_model: dict[float, list[float]] = {}
+    for r in rows:
+        if r.mean_tokens is not None:
+            by_model.setdefault(r.shape.params_b, []).append(r.mean_tokens)
+    means = {n: statistics.mean(v) for n, v in by_model.items()}
+    return [
+        replace(r, shape=replace(r.shape, tokens=r.mean_tokens or means.get(r.shape.params_b, r.shape.tokens)))
+        for r in rows
+    ]
+
+
+def analysis(mean_length: bool = False) -> dict:
+    """The fit and its errors (`mean_length`: with the measured mean completion length as L, to compare)."""
+    rows = with_mean_length(load_rows()) if mean_length else load_rows()
+    fitted = fit(rows)
+    loo = errors(rows, lambda row: fit([r for r in rows if r is not row]))
+    lofo = errors(rows, lambda row: fit([r for r in rows if r.source != row.source]))
+    in_sample = errors(rows, lambda row: fitted)
+    lora = [r for r in rows if r.lora]
+    return dict(
+        rows=rows,
+        fitted=fitted,
+        in_sample=in_sample,
+        loo=loo,
+        lofo=lofo,
+        leave_one_out=summary(loo),
+        leave_one_file_out=summary(lofo),
+        startup=startup(),
+        covered=covered(rows),
+        lora=[
+            (r, 100 * (sum(fc.phase_seconds(r.shape, fitted).values()) - r.measured["s/step"]) / r.measured["s/step"])
+            for r in lora
+        ],
+    )
+
+
+def main() -> None:
+    a = analysis()
+    mean = analysis(mean_length=True)
+    fits, loos, lofos = ({id(r): e for r, e in a[k]["s/step"]} for k in ("in_sample", "loo", "lofo"))
+    print(f"{'row':58} {'N':>5} {'C':>4} {'M':>2} {'layout':>6} {'sleep':>5}  s/step  forecast  fit %  LOO %  LOFO %")
+    for r in a["rows"]:
+        s, m = r.shape, r.measured.get("s/step")
+        got = sum(fc.phase_seconds(s, a["fitted"]).values())
+        cells = (
+            (
+                f"{m:7.3f}",
+                f"{got:8.3f}",
+                *(f"{d[id(r)]:+6.1f}" if id(r) in d else "     –" for d in (fits, loos, lofos)),
+            )
+            if m
+            else ("      –",) * 5
+        )
+        print(
+            f"{r.source + ': ' + r.key:58} {s.params_b:5.2f} {s.completions:4} {s.micro_batches:2} {s.layout:>6} {s.sleep_level:5}  "
+            + "  ".join(cells)
+            + ("  (LoRA: not in the fit)" if r.lora else "")
+        )
+    print("\nFITTED = {")
+    for name, value in a["fitted"].items():
+        print(f'    "{name}": {value:.4g},')
+    print("}\nLEAVE_ONE_OUT = {")
+    for name, value in a["leave_one_out"].items():
+        print(f'    "{name}": {value},')
+    print("}")
+    print(f"STARTUP_S = {tuple(round(v, 1) for v in a['startup'][:3])}  # {a['startup'][3]} rows")
+    print(f"COVERED = {a['covered']}")
+    print(f"leave one file out: {a['leave_one_file_out']}")
+    print(f"fit, in sample: {summary(a['in_sample'])}")
+    for r, e in a["lora"]:
+        print(f"LoRA row {r.key}: forecast {e:+.1f} %")
+    print(
+        f"with the mean completion length as L: leave one out {mean['leave_one_out']['s/step']}, leave one file out {mean['leave_one_file_out']['s/step']}"
+    )
+
+
+if __name__ == "__main__":
+    main()

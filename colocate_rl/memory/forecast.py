@@ -1,0 +1,333 @@
+"""The step-time forecast: seconds per step by phase, and the run's total, of a GPU run with colocate-rl's vLLM
+engine on H200s, from a small linear model fitted to the measured rows of docs/benchmarks/results/.
+
+A pure function of the resolved recipe and its host (like `colocate_rl.memory.estimate.estimate`). Per rank, with
+L = trainer.max_completion_length (every row: 256; the random-init layouts generate all of it, SmolLM2's completions
+averaged 216; with that mean as L the fit is no better, 6.9 against 7.5 % median error left one row out, 11.5 against
+10.2 % left one file out, and it is not known before the run: a batch decodes until its longest completion ends and
+training pads each micro-batch to its longest), C = completions per step, M = micro-batches per step, N = parameters
+in billions (those a token goes through for a mixture of experts):
+
+    generation  = L · (decode step + C · per sequence + C · N · per sequence and B params)
+    training    = M · per micro-batch (by layout) + N · C · L · compute (× 4/3 with checkpointing) + optimizer step
+    weight push = fixed + N · (per B params + woken weights when asleep + ZeRO-3 gathers)
+    sleep/wake  = per step with vLLM asleep (levels 1 and 2)
+    rest        = fixed + C · per completion + M · per micro-batch (by layout): TRL's preparation of the batch (its
+                  logprob pass), the rewards and what no phase times (the step's time less the four phases above)
+
+`FITTED` holds the constants least-squares fitted (relative error) by `benchmarks/fit_forecast.py` to the rows it
+lists (H200, vLLM 0.26, TRL 1.16; colocate-rl's engine alone on the GPU with CUDA graphs), `LEAVE_ONE_OUT` the
+errors of that fit with each row left out in turn; `tests/test_forecast.py` checks that both are what the script
+computes. A recipe the rows say nothing about where a step spends its time differently (another GPU or the CPU,
+TRL's engine, eager vLLM, offload, tools, several nodes, tensor parallelism) gets no forecast and the reason;
+what is beyond the rows' range but modelled (size, length, batch, GPUs, checkpointing) is forecast and named.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from colocate_rl.errors import UserError
+from colocate_rl.memory.shapes import layout_for
+from colocate_rl.plan.deepspeed import ZeroLayout
+
+if TYPE_CHECKING:
+    from colocate_rl.plan.host import Host
+    from colocate_rl.plan.resolved import Resolved
+
+PHASES = ("generation", "training", "weight push", "sleep/wake", "rest")
+# The timed phases (metrics.jsonl time/<name>_s) each forecast phase sums; "rest" is the step less all of them.
+PHASE_METRICS = {
+    "generation": ("generate",),
+    "training": ("train", "optimizer"),
+    "weight push": ("weight_sync", "weight_check"),
+    "sleep/wake": ("wake", "sleep"),
+    "rest": (),
+}
+H200_RANGE_GIB = (135.0, 145.0)  # GPU memory taken as an H200 (NVML reports 143,771 MiB = 140.4 GiB)
+CHECKPOINTING = 4 / 3  # recomputing the forward adds 1 to forward + backward's 3 parts (no row measured it)
+DOC = "docs/guide/memory.md#step-time-forecast"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the step-time model reads from a resolved recipe (one rank's step)."""
+
+    params_b: float  # N: parameters in billions (a mixture of experts: those one token goes through)
+    completions: int  # C: completions per step
+    micro_batches: int  # M: forward/backward passes per step
+    tokens: int  # L: trainer.max_completion_length
+    stage: int | None  # ZeRO stage; None without DeepSpeed
+    sleep_level: int
+    checkpointing: bool
+    gpus: int  # ranks per node
+
+    @property
+    def layout(self) -> str:
+        return "plain" if self.stage is None else "zero3" if self.stage == 3 else "zero"
+
+
+def shape_of(resolved: Resolved) -> Shape:
+    """The Shape of a GPU plan (UserError for a model whose layout is unknown)."""
+    t = resolved.recipe.trainer
+    lay = layout_for(resolved.recipe.model.name, config=resolved.preflight.model_config)
+    return Shape(
+        params_b=lay.active_params / 1e9,
+        completions=t.step_completions,
+        micro_batches=t.gradient_accumulation_steps,
+        tokens=t.max_completion_length,
+        stage=ZeroLayout.of(resolved.deepspeed).stage,
+        sleep_level=int(resolved.recipe.generation.sleep_level),
+        checkpointing=resolved.gradient_checkpointing,
+        gpus=resolved.nproc_per_node,
+    )
+
+
+def _micro(layout: str) -> Callable[[Shape], float]:
+    return lambda s: s.micro_batches * (s.layout == layout)
+
+
+# phase → (constant, what it multiplies); FITTED holds the constants
+TERMS: dict[str, tuple[tuple[str, Callable[[Shape], float]], ...]] = {
+    "generation": (
+        ("decode step", lambda s: s.tokens),
+        ("decode step, per sequence", lambda s: s.tokens * s.completions),
+        ("decode step, per sequence and B params", lambda s: s.tokens * s.completions * s.params_b),
+    ),
+    "training": (
+        ("micro-batch, no DeepSpeed", _micro("plain")),
+        ("micro-batch, ZeRO-0/1/2", _micro("zero")),
+        ("micro-batch, ZeRO-3", _micro("zero3")),
+        (
+            "per B params and token trained",
+            lambda s: s.params_b * s.completions * s.tokens * (CHECKPOINTING if s.checkpointing else 1),
+        ),
+        ("DeepSpeed optimizer step", lambda s: s.stage is not None),
+    ),
+    "weight push": (
+        ("push", lambda s: 1),
+        ("push, per B params", lambda s: s.params_b),
+        ("push, per B params woken from sleep", lambda s: s.params_b * (s.sleep_level > 0)),
+        ("push, per B params gathered (ZeRO-3)", lambda s: s.params_b * (s.stage == 3)),
+    ),
+    "sleep/wake": (("wake and sleep", lambda s: s.sleep_level > 0),),
+    "rest": (
+        ("rest", lambda s: 1),
+        ("rest, per completion", lambda s: s.completions),
+        ("rest, per micro-batch with DeepSpeed", lambda s: s.micro_batches * (s.stage is not None)),
+        ("rest, per micro-batch under ZeRO-3", _micro("zero3")),
+    ),
+}
+# Fitted by benchmarks/fit_forecast.py (seconds; its docstring lists the rows: 26 of
+# docs/benchmarks/results/{engine,layouts,generation,seam-ab,real-model}-results.jsonl)
+FITTED = {
+    "decode step": 0.002417,
+    "decode step, per sequence": 1.444e-05,
+    "decode step, per sequence and B params": 2.86e-05,
+    "micro-batch, no DeepSpeed": 0.07474,
+    "micro-batch, ZeRO-0/1/2": 0.226,
+    "micro-batch, ZeRO-3": 0.7982,
+    "per B params and token trained": 1.737e-05,  # completion tokens; at 6 FLOPs per parameter: 345 TFLOP/s
+    "DeepSpeed optimizer step": 0.06963,
+    "push": 0.02361,
+    "push, per B params": 0.01941,
+    "push, per B params woken from sleep": 0.02159,
+    "push, per B params gathered (ZeRO-3)": 0.03171,
+    "wake and sleep": 0.1563,
+    "rest": 0.02811,
+    "rest, per completion": 0.001851,
+    "rest, per micro-batch with DeepSpeed": 0.06645,
+    "rest, per micro-batch under ZeRO-3": 0.3161,
+}
+# |forecast − measured| / measured in %, each row left out of the fit in turn: (median, largest, rows)
+LEAVE_ONE_OUT = {
+    "s/step": (7.5, 29.6, 25),
+    "generation": (13.7, 40.4, 25),
+    "training": (8.8, 30.5, 20),
+    "weight push": (10.8, 33.5, 25),
+    "sleep/wake": (9.1, 33.4, 12),
+    "rest": (24.0, 70.5, 20),
+}
+# Start-up: a run's time from `colocate-rl train` to its exit less steps × s/step (launch, vLLM start and CUDA graphs,
+# the first step's warm-up, the end): median, smallest, largest of the 12 rows that recorded their wall time
+STARTUP_S = (92.0, 76.4, 150.8)
+# What the fitted rows span: a recipe beyond it is forecast with a note
+COVERED = {
+    "params_b": (0.135, 1.544),
+    "tokens": (256, 256),
+    "completions": (8, 256),
+    "micro_batches": (1, 8),
+    "gpus": (1, 2),
+    "sleep_levels": (0, 2),
+}
+
+
+def phase_seconds(shape: Shape, fitted: dict[str, float] | None = None) -> dict[str, float]:
+    """Seconds per step of each phase for `shape`, with `fitted` constants (default FITTED)."""
+    fitted = FITTED if fitted is None else fitted
+    return {phase: sum(fitted[name] * float(x(shape)) for name, x in TERMS[phase]) for phase in PHASES}
+
+
+def _gpu_problem(host: Host) -> tuple[str | None, str]:
+    """(why these GPUs get no forecast, or None; how the forecast names them)."""
+    gib = host.gpus[0].memory_gib
+    if host.assumed:
+        if H200_RANGE_GIB[0] <= gib <= H200_RANGE_GIB[1]:
+            return None, f"{gib:g} GiB GPUs taken as H200s"
+        return (
+            f"the assumed GPUs have {gib:g} GiB and the rows were measured on H200s (140 GiB); --gpu-memory 140 plans "
+            "for H200s",
+            "",
+        )
+    names = sorted({g.name for g in host.gpus})
+    if not all("H200" in name for name in names):
+        return f"this machine's GPUs are {', '.join(names)} and the rows were measured on H200s", ""
+    return None, "H200"
+
+
+def refusal(resolved: Resolved) -> str | None:
+    """Why `resolved` gets no forecast (one clause), or None."""
+    r, g = resolved.recipe, resolved.recipe.generation
+    zero = ZeroLayout.of(resolved.deepspeed)
+    fixed = [
+        k for k in ("steps_per_generation", "generation_batch_size", "num_iterations") if k in r.trainer.extra_args
+    ]
+    if r.distributed.nnodes > 1:  # first: every node writes the same forecast.json, whatever its GPUs
+        return "several nodes; the rows ran on one"
+    if resolved.device != "cuda" or not resolved.host.gpus:
+        return "a CPU run; the step-time model is fitted to H200 GPU runs with vLLM"
+    if resolved.backend != "vllm":
+        return "generation with transformers; the step-time model is fitted to H200 GPU runs with vLLM"
+    problem, _ = _gpu_problem(resolved.host)
+    reasons = [
+        (problem is not None, problem),
+        (g.engine != "colocate-rl", "generation.engine: trl; the rows ran colocate-rl's engine"),
+        (g.enforce_eager, "generation.enforce_eager; the rows ran vLLM with CUDA graphs"),
+        (
+            zero.offload_optimizer or zero.offload_params or g.offload_trainer_during_generation,
+            "offload to CPU memory; no row offloaded",
+        ),
+        (r.tools.active, "tools (multi-turn episodes); no row used tools alone on a GPU"),
+        (g.tensor_parallel_size > 1, "generation.tensor_parallel_size > 1; the rows ran 1"),
+        (bool(fixed), f"trainer.extra_args.{fixed[0] if fixed else ''}; the rows generate once per step"),
+    ]
+    return next((why for bad, why in reasons if bad), None)
+
+
+def _beyond(value: float, span: tuple, what: str, unit: str = "") -> list[str]:
+    """`what value (rows: low–high)` when `value` is outside `span` by more than rounding."""
+    low, high = span
+    if low * 0.99 <= value <= high * 1.01:
+        return []
+    spec = ".3g" if unit else "d"  # parameters in billions, else whole numbers
+    rows = f"{low:{spec}}" if low == high else f"{low:{spec}}–{high:{spec}}"
+    return [f"{what} {value:{spec}}{unit} (rows: {rows}{unit})"]
+
+
+def beyond_rows(resolved: Resolved, shape: Shape) -> list[str]:
+    """What of `resolved` the fitted rows do not span, one phrase each."""
+    r, c = resolved.recipe, COVERED
+    notes = (
+        _beyond(shape.params_b, c["params_b"], "parameters", "B")
+        + _beyond(shape.tokens, c["tokens"], "max_completion_length")
+        + _beyond(shape.completions, c["completions"], "completions per rank")
+        + _beyond(shape.micro_batches, c["micro_batches"], "micro-batches per step")
+        + _beyond(shape.gpus, c["gpus"], "GPUs")
+    )
+    notes += ["gradient checkpointing (no row; its recompute taken as 1/3 more compute)"] * shape.checkpointing
+    notes += [f"ZeRO-{shape.stage} (rows: no DeepSpeed, ZeRO-2, ZeRO-3; taken as ZeRO-2)"] * (shape.stage in (0, 1))
+    notes += ["sleep level 1 (rows: 0 and 2; taken as 2)"] * (shape.sleep_level == 1)
+    notes += ["LoRA (not modelled; the one LoRA row took 1.22× its full fine-tuning row)"] * (r.model.lora is not None)
+    notes += ["beta > 0 (the reference model's forward is not modelled)"] * (r.trainer.beta > 0)
+    notes += ["reward models (their forward is not modelled)"] * any(x.model for x in r.rewards)
+    return notes
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """A forecast (`phases` set) or the reason there is none (`reason`)."""
+
+    phases: dict[str, float] = field(default_factory=dict)  # phase → s/step
+    max_steps: int = 0
+    gpu: str = ""  # how the GPUs were taken ("H200", "140 GiB GPUs taken as H200s")
+    beyond: tuple[str, ...] = ()  # what the rows do not span
+    evaluation: bool = False  # the recipe evaluates: not in the forecast
+    reason: str | None = None
+
+    @property
+    def s_per_step(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def total_s(self) -> float:
+        return self.max_steps * self.s_per_step + STARTUP_S[0]
+
+
+def forecast(resolved: Resolved) -> Forecast:
+    """The step-time forecast of `resolved`, or a Forecast whose `reason` says why there is none."""
+    why = refusal(resolved)
+    if why is None:
+        try:
+            shape = shape_of(resolved)
+        except UserError as e:
+            why = e.lines[0]
+    if why is not None:
+        return Forecast(reason=why)
+    return Forecast(
+        phases=phase_seconds(shape),
+        max_steps=resolved.recipe.trainer.max_steps,
+        gpu=_gpu_problem(resolved.host)[1],
+        beyond=tuple(beyond_rows(resolved, shape)),
+        evaluation=resolved.recipe.eval.every_steps is not None,
+    )
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def forecast_lines(f: Forecast) -> list[str]:
+    """What validate, train --dry-run and mem-probe --estimate print: a few lines, or one saying why none."""
+    if f.reason is not None:
+        return [f"forecast: none — {f.reason}"]
+    parts = " + ".join(f"{p} {s:.2f}" for p, s in f.phases.items())
+    steps = f.max_steps * f.s_per_step
+    start, low, high = STARTUP_S
+    lines = [
+        f"forecast ({f.gpu}): {f.s_per_step:.2f} s/step = {parts}; {f.max_steps} steps {duration(steps)} + start-up "
+        f"{duration(start)} = {duration(f.total_s)}" + (" (held-out evaluation not included)" if f.evaluation else ""),
+    ]
+    median, largest, rows = LEAVE_ONE_OUT["s/step"]
+    lines.append(
+        f"forecast error on its {rows} measured rows, each left out of the fit in turn: s/step median {median:.1f} %, "
+        f"largest {largest:.0f} %; start-up {low:.0f}–{high:.0f} s ({DOC})"
+    )
+    if f.beyond:
+        lines.append("forecast beyond the rows: " + "; ".join(f.beyond))
+    return lines
+
+
+def forecast_json(f: Forecast) -> str:
+    """The run directory's forecast.json (`colocate_rl.rundir.FORECAST`): what `report` sets against the run."""
+    if f.reason is not None:
+        return json.dumps({"available": False, "reason": f.reason}, indent=2, ensure_ascii=False) + "\n"
+    record = {
+        "available": True,
+        "gpu": f.gpu,
+        "s_per_step": round(f.s_per_step, 4),
+        "phases": {p: {"s": round(s, 4), "metrics": list(PHASE_METRICS[p])} for p, s in f.phases.items()},
+        "rest": "the step's time (time/step_s) less the other phases' metrics",
+        "max_steps": f.max_steps,
+        "startup_s": STARTUP_S[0],
+        "total_s": round(f.total_s, 1),
+        "evaluation_included": False,
+        "beyond_rows": list(f.beyond),
+        "leave_one_out_pct": {k: {"median": m, "largest": x, "rows": n} for k, (m, x, n) in LEAVE_ONE_OUT.items()},
+        "model": "colocate_rl.memory.forecast, fitted by benchmarks/fit_forecast.py to docs/benchmarks/results",
+    }
+    return json.dumps(record, indent=2, ensure_ascii=False) + "\n"
