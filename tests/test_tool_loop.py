@@ -127,3 +127,41 @@ def test_episodes_call_tools_through_the_engine(tiny, tmp_path):
     assert step["tools/turns_per_episode"] == pytest.approx((4 + 3 + 1) / 4)
     assert step["tools/call_frequency"] == pytest.approx(4 / 4)  # TRL's count: every call, refused ones too
     assert step["tools/failure_frequency"] == pytest.approx(3 / 4)
+
+
+@pytest.mark.slow
+def test_a_tool_recipe_runs_through_torchrun_with_trls_environment_example(tmp_path):
+    """`colocate-rl train` of a recipe with TRL's own environment example (tests/envs/increment_env.py) on the built-in
+    tiny model: 2 ranks through real torchrun, held-out episodes at steps 0 and 2, the environment's reward and the
+    tool metrics in every step record. (A random model rarely calls a tool: this is the pipeline, not learning.)"""
+    from conftest import ROOT, cli, write_recipe
+
+    from colocate_rl.rundir import read_metrics, step_records
+
+    recipe = write_recipe(
+        tmp_path / "increment.yaml",
+        {
+            "name": "increment-env",
+            "model": {"name": "builtin:tiny", "chat_template": "qwen2_5"},
+            "data": {"source": str(ROOT / "tests/envs/increment.jsonl")},
+            "rewards": [{"name": "tool_call_ok", "weight": 0.2}],
+            "tools": {"environment": f"{ROOT}/tests/envs/increment_env.py:IncrementEnv", "max_turns": 2},
+            "trainer": {
+                "max_steps": 2,
+                "per_device_train_batch_size": 4,
+                "num_generations": 4,
+                "max_completion_length": 48,
+            },
+            "eval": {"every_steps": 2, "num_samples": 4},  # the file's last 4 rows, held out of training
+            "distributed": {"deepspeed": None},
+        },
+    )
+    run = tmp_path / "run"
+    result = cli("train", recipe, "--run-dir", run, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps, evals = step_records(run), [r for r in read_metrics(run) if "eval/reward" in r]
+    assert len(steps) == 2 and [r["step"] for r in evals] == [0, 2]
+    for r in steps:
+        assert {"tools/call_frequency", "tools/turns_per_episode", "rewards/IncrementEnv/mean"} <= set(r), r
+    assert {"eval/IncrementEnv", "eval/tool_calls_per_episode", "eval/turns_per_episode"} <= set(evals[-1])
+    assert "tools" in result.stdout  # the step lines show the tool calls per episode

@@ -1,6 +1,6 @@
 """Tools and environments (`tools:`): the built-in calculator, finding the user's code, the checks before launch, the
 limits every call runs under on a rank, and the adapter's hooks into TRL's multi-turn path. Fast tier: no process
-starts here (the end-to-end run through torchrun is in tests/test_tool_recipe.py)."""
+starts here (the end-to-end runs through torchrun are in tests/test_tool_loop.py)."""
 
 import asyncio
 import time
