@@ -45,6 +45,7 @@ EPISODES = {
 EPISODE_SOURCE = {
     "_tool_call_loop": ("self._sync_tool_dicts[idx_with_tool]", "self._async_tool_dicts[idx_with_tool]"),
     "_generate": ("return prompt_ids, completion_ids, tool_mask, completions,",),
+    "_tokenize_prompts": ("self._batch_environments",),  # each episode's tools by its environment's name
 }
 # GRPO's attributes of the multi-turn path: the tools (standalone and environments' methods), the environment factories
 # by name, whether examples pick theirs (`environment` column), the episode's environments (rewards read them).
@@ -177,8 +178,10 @@ class GRPOHooks(_EngineHooks):
         with self.engine.hold():
             out = super()._generate(prompts)
         if self.tools:
+            import torch
+
             mode = "train" if self.model.training else "eval"
-            counts = torch_tensor([self.turns, len(prompts)], self.accelerator.device)
+            counts = torch.tensor([self.turns, len(prompts)], dtype=torch.float64, device=self.accelerator.device)
             turns, episodes = self.accelerator.gather(counts).view(-1, 2).sum(dim=0).tolist()
             self._metrics[mode]["tools/turns_per_episode"].append(turns / max(episodes, 1))
         return out
@@ -193,12 +196,6 @@ class RLOOHooks(_EngineHooks):
         return self._engine_generate(
             prompt_ids, images, multimodal_fields, logprobs=False
         ).completion_ids  # RLOO reads none
-
-
-def torch_tensor(values: list[float], device):
-    import torch
-
-    return torch.tensor(values, dtype=torch.float64, device=device)
 
 
 def engine_trainer(trainer_cls: type) -> type:
