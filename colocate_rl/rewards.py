@@ -154,11 +154,11 @@ USER_CODE_EXITS = (KeyboardInterrupt, RewardTimeout)  # what a reward's error ha
 
 
 @contextmanager
-def time_limit(key: str, what: str):
-    """Run the block (reward code) for at most REWARD_TIME_LIMIT_S seconds: SIGALRM raises RewardTimeout in it (again
-    every second, should the code swallow it), which becomes a UserError naming `key`. Only in the main thread of a
-    POSIX process (where a signal handler can be set); elsewhere the block runs without a limit. A timer and handler
-    set before (pytest-timeout's, say) are put back, the time the block took counted."""
+def alarm(seconds: float, expired: type[BaseException], repeat_s: float = 1.0):
+    """Raise `expired` in the block once `seconds` have passed (again every `repeat_s`, should the code swallow it),
+    by SIGALRM: only in the main thread of a POSIX process (where a signal handler can be set); elsewhere the block
+    runs without a limit. A timer and handler set before (pytest-timeout's, say) are put back, the time the block took
+    counted."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
@@ -166,26 +166,34 @@ def time_limit(key: str, what: str):
 
     def expire(signum, frame):
         if armed[0]:
-            raise RewardTimeout
+            raise expired
 
     previous = signal.signal(signal.SIGALRM, expire)
     start = time.monotonic()
-    delay, interval = signal.setitimer(signal.ITIMER_REAL, REWARD_TIME_LIMIT_S, 1.0)  # an earlier timer: put back
+    delay, interval = signal.setitimer(signal.ITIMER_REAL, seconds, repeat_s)  # an earlier timer: put back
     try:
         yield
-    except RewardTimeout:
-        armed[0] = False
-        raise UserError(
-            f"{key}: {what} did not end within {REWARD_TIME_LIMIT_S:g} s, the pre-flight's limit; a reward runs on "
-            "every batch of completions: make it return faster, or look for what it waits on (input(), a lock, a "
-            "network call without a timeout)"
-        ) from None
     finally:
         armed[0] = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         if delay:
             signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - start), 1e-3), interval)
+
+
+@contextmanager
+def time_limit(key: str, what: str):
+    """Run the block (reward code) for at most REWARD_TIME_LIMIT_S seconds (`alarm`): RewardTimeout raised in it
+    becomes a UserError naming `key`. Outside the main thread the block runs without a limit."""
+    try:
+        with alarm(REWARD_TIME_LIMIT_S, RewardTimeout):
+            yield
+    except RewardTimeout:
+        raise UserError(
+            f"{key}: {what} did not end within {REWARD_TIME_LIMIT_S:g} s, the pre-flight's limit; a reward runs on "
+            "every batch of completions: make it return faster, or look for what it waits on (input(), a lock, a "
+            "network call without a timeout)"
+        ) from None
 
 
 def _import_file(target: str, key: str, what: str = "reward"):

@@ -349,3 +349,23 @@ def test_a_timer_set_before_a_tool_call_still_fires():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_outside_the_main_thread_a_slow_call_is_abandoned_not_waited_for(tool_file):
+    import threading
+
+    slow = guard(timeout_s=0.3).wrap(resolve_tool(f"{tool_file}:slow", key="k"), 0)
+    outcome = []
+
+    def call():
+        start = time.monotonic()
+        try:
+            slow(seconds=3)
+        except ToolError as e:
+            outcome.append((str(e), time.monotonic() - start))
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    worker.join(timeout=10)
+    [(message, took)] = outcome
+    assert message == "the tool did not return within 0.3 s" and took < 2

@@ -18,7 +18,6 @@ import functools
 import inspect
 import signal
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -27,6 +26,7 @@ from typing import Any
 
 from colocate_rl.rank.engine import no_phase
 from colocate_rl.recipe.tools import ToolsSection
+from colocate_rl.rewards import alarm
 from colocate_rl.tools import resolve_environment, resolve_tool
 
 
@@ -42,33 +42,20 @@ def _call_with_timeout(fn: Callable, kwargs: dict[str, Any], seconds: float):
     """`fn(**kwargs)`, stopped after `seconds` with ToolError. In the main thread by SIGALRM (raised again every
     0.5 s should the tool swallow it); elsewhere in a worker thread (which then runs on, abandoned)."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            future = pool.submit(fn, **kwargs)
-            try:
-                return future.result(timeout=seconds)
-            except FutureTimeout:
-                raise ToolError(f"the tool did not return within {seconds:g} s") from None
-    armed = [True]
-
-    def expire(signum, frame):
-        if armed[0]:
-            raise _Expired
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    start = time.monotonic()
-    delay, interval = signal.setitimer(signal.ITIMER_REAL, seconds, 0.5)  # an earlier timer is put back after
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            return pool.submit(fn, **kwargs).result(timeout=seconds)
+        except FutureTimeout:
+            raise ToolError(f"the tool did not return within {seconds:g} s") from None
+        finally:
+            pool.shutdown(wait=False)  # a call that timed out is left to finish on its own
     try:
-        return fn(**kwargs)
+        with alarm(seconds, _Expired, repeat_s=0.5):
+            return fn(**kwargs)
     except _Expired:
         raise ToolError(f"the tool did not return within {seconds:g} s") from None
     except SystemExit as e:
         raise ToolError(f"the tool called sys.exit({e.code!r})") from None
-    finally:
-        armed[0] = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if delay:
-            signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - start), 1e-3), interval)
 
 
 class ToolGuard:
