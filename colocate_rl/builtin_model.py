@@ -5,6 +5,12 @@ The tokenizer is trained with exactly the normalizer / pre-tokenizer / decoder t
 hard-codes. That matters: for a `model_type: qwen2` directory, `AutoTokenizer` (used by vLLM and TRL) always returns
 `Qwen2Tokenizer`, ignoring `tokenizer_class`, and rebuilds the pipeline from vocab/merges; with the same pipeline
 that rebuild is a no-op, so `AutoTokenizer` and `PreTrainedTokenizerFast` give identical ids.
+
+`tiny-calc` is not random-init: `tiny`'s shape with a 768-token tokenizer of its own (trained with `<tool_call>`,
+`</tool_call>`, `<tool_response>`, `</tool_response>` as added, non-special tokens, on the corpus below plus calculator
+transcripts) carrying TRL's Qwen2.5 chat template, read from the installed trl, so that TRL renders the tools and
+parses the model's `<tool_call>` JSON; then a short supervised warm start (`colocate_rl.warm_start`, table
+`WARM_STARTS`) teaches it the call format and to copy numbers, and leaves when to call the calculator to RL.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 PAD, BOS_START, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS_START, EOS]  # trained first, so ids 0, 1, 2
 TOKENIZER_VOCAB = 512
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # tiny-calc's, ids 3-6
+CALC_TOKENIZER_VOCAB = 768
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -96,6 +104,17 @@ LAYOUTS: dict[str, dict] = {
         max_window_layers=28,
     ),
 }
+LAYOUTS["tiny-calc"] = dict(LAYOUTS["tiny"], vocab_size=CALC_TOKENIZER_VOCAB)
+# How a layout is warm-started (colocate_rl.warm_start's docstring says what each step does); kept out of LAYOUTS,
+# whose entries are Qwen2Config kwargs. Part of the build's identity: changing it rebuilds.
+WARM_STARTS: dict[str, dict] = {
+    "tiny-calc": dict(
+        chats=1500, probe_chats=32, exclude_heldout=1024, batch=16, lr=1e-2, warmup=20,
+        attempts=3, attempt_steps=300, formed=0.3, max_steps=600, probe_every=50, target=[0.9, 0.75],
+        calib_steps=120, calib_lr=3e-3, calib_tool_share={"*": 0.9, "+": 0.1, "-": 0.1},
+    ),
+}  # fmt: skip
+WARM_START_FILE = "warm_start.json"  # in a warm-started model's directory: the table's entry and what was measured
 
 
 # `tiny`'s (tied) embeddings are drawn 8× wider than the initializer's 0.02: at 0.02 every logit stays within about
@@ -160,13 +179,15 @@ def _corpus(n: int = 3000) -> list[str]:
     return out
 
 
-def _train_tokenizer(out_dir: Path, model_max_length: int) -> None:
-    """Train the 512-token byte-level BPE and save tokenizer.json + tokenizer_config.json (with chat_template)."""
+def _train_tokenizer(out_dir: Path, model_max_length: int, layout: str = "tiny") -> None:
+    """Train the byte-level BPE (512 tokens; a warm-started layout's: 768 with TOOL_TOKENS, on the corpus plus
+    calculator transcripts) and save tokenizer.json + tokenizer_config.json (with chat_template)."""
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+    warm, template = layout in WARM_STARTS, layout_chat_template(layout)
     tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -178,13 +199,22 @@ def _train_tokenizer(out_dir: Path, model_max_length: int) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=CALC_TOKENIZER_VOCAB if warm else TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS + (TOOL_TOKENS if warm else []),
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=2,
     )
-    tok.train_from_iterator(_corpus(), trainer)
+    if warm:
+        from colocate_rl.warm_start import transcripts
+
+        tok.train_from_iterator(_corpus() + transcripts(3000, 0, template), trainer)
+        spec = json.loads(tok.to_str())  # the tool tokens not special, as Qwen2.5's: decoding keeps them (TRL, vLLM)
+        for added in spec["added_tokens"]:
+            added["special"] = added["content"] in SPECIAL_TOKENS
+        tok = Tokenizer.from_str(json.dumps(spec))
+    else:
+        tok.train_from_iterator(_corpus(), trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,
@@ -198,7 +228,7 @@ def _train_tokenizer(out_dir: Path, model_max_length: int) -> None:
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["chat_template"] = template
     # What Qwen2.5 ships; transformers 5 picks Qwen2Tokenizer for qwen2 dirs anyway, 4.x then loads tokenizer.json as-is.
     cfg["tokenizer_class"] = "Qwen2Tokenizer"
     cfg["additional_special_tokens"] = cfg.pop("extra_special_tokens", [BOS_START])  # list form both 4.x and 5 read
@@ -212,22 +242,39 @@ def _write(out_dir: Path, layout: str, seed: int, dtype: str) -> int:
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
     c = LAYOUTS[layout]
-    _train_tokenizer(out_dir, c["max_position_embeddings"])
+    _train_tokenizer(out_dir, c["max_position_embeddings"], layout)
     ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}  # BpeTrainer puts special tokens first
     config = Qwen2Config(**c, bos_token_id=None, eos_token_id=ids[EOS], pad_token_id=ids[PAD])
     config.architectures = ["Qwen2ForCausalLM"]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(seed)
-    with torch.device(device):  # allocated directly in the target dtype: 7B bf16 needs ~15 GB, not 30
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    if layout in EMBEDDING_SCALE:
-        with torch.no_grad():
-            model.get_input_embeddings().weight.mul_(EMBEDDING_SCALE[layout])
+    warm = layout in WARM_STARTS  # trained on the CPU, in float32, then cast
+    device = "cuda" if torch.cuda.is_available() and not warm else "cpu"
+
+    def new_model(init_seed: int):
+        torch.manual_seed(init_seed)
+        with torch.device(device):  # allocated directly in the target dtype: 7B bf16 needs ~15 GB, not 30
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if warm else getattr(torch, dtype))
+        if layout in EMBEDDING_SCALE:
+            with torch.no_grad():
+                model.get_input_embeddings().weight.mul_(EMBEDDING_SCALE[layout])
+        return model
+
+    model = _warm_start(out_dir, layout, seed, new_model).to(getattr(torch, dtype)) if warm else new_model(seed)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=ids[EOS], pad_token_id=ids[PAD])
     model.save_pretrained(str(out_dir), max_shard_size="2GB")  # small shards bound the extra RAM while saving
     params = sum(p.numel() for p in model.parameters())
     del model
     return params
+
+
+def _warm_start(out_dir: Path, layout: str, seed: int, new_model):
+    """colocate_rl.warm_start on `new_model(init_seed)` models with the tokenizer just saved; writes WARM_START_FILE."""
+    from colocate_rl.warm_start import warm_start
+
+    tok, template = load_tokenizer(out_dir), layout_chat_template(layout)
+    model, stats = warm_start(new_model, tok, template, WARM_STARTS[layout], seed)
+    record = {"layout": layout, "seed": seed, "spec": WARM_STARTS[layout], **stats}
+    (out_dir / WARM_START_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return model.eval()
 
 
 def _is_built(out: Path, want: dict) -> bool:
@@ -254,6 +301,8 @@ def build_model(layout: str, out_dir: str | Path, *, seed: int = 0, dtype: str =
         raise UserError(f"model.dtype: unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
     out = Path(out_dir)
     want = {"format": _FORMAT, "layout": layout, "seed": seed, "dtype": dtype}
+    if layout in WARM_STARTS:
+        want["warm_start"] = WARM_STARTS[layout]
     if _is_built(out, want):
         return out
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
@@ -325,10 +374,21 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
-
-
 def layout_chat_template(layout: str) -> str:
     """The chat template a built-in layout's tokenizer carries (what the pre-flight checks tools against)."""
-    return CHAT_TEMPLATE
+    return qwen2_5_chat_template() if layout in WARM_STARTS else CHAT_TEMPLATE
+
+
+def qwen2_5_chat_template() -> str:
+    """TRL's Qwen2.5 chat template, as the installed trl ships it (TRL parses tool calls only for templates it knows,
+    compared as text); found without importing trl. OSError when trl is not installed."""
+    import importlib.util
+
+    found = importlib.util.find_spec("trl")
+    if found is None or not found.submodule_search_locations:
+        raise OSError("trl is not installed; the built-in tool-use model carries TRL's qwen2_5 chat template")
+    return (Path(list(found.submodule_search_locations)[0]) / "chat_templates" / "qwen2_5.jinja").read_text("utf-8")
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -29,6 +29,7 @@ LEVELS = {
     "rewards": 1,
     "data_check": 1.5,
     "tools": 1.5,  # tools and environments by name (imports rewards' loader)
+    "warm_start": 0.5,  # the tiny-calc warm start (imports nothing of ours; its task generator is a copy)
     "builtin_model": 1,
     "model_config": 1,
     "plan": 2,

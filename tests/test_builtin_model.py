@@ -188,3 +188,27 @@ def test_subprocess_build_reports_the_childs_user_error(tmp_path):
     with pytest.raises(UserError, match="dtype"):
         bm.build_model_in_subprocess("tiny", tmp_path / "m", dtype="int8")
     assert not (tmp_path / "m").exists()
+
+
+def test_tiny_calc_carries_what_trl_parses_and_the_calculators_schema():
+    """`builtin:tiny-calc` is warm-started on chats rendered as TRL renders them: TRL's own qwen2_5 template (the one it
+    parses tool calls for), the calculator's schema as transformers derives it, and the arithmetic task's questions
+    (its generator copied, so the copy must stay the same; the held-out stream is the one evaluation draws from)."""
+    from transformers.utils import get_json_schema
+
+    from colocate_rl import prompts, warm_start
+    from colocate_rl.plan.tools import TRL_PARSED_TEMPLATES, trl_templates_dir
+    from colocate_rl.tools import calculator
+
+    assert "qwen2_5" in TRL_PARSED_TEMPLATES
+    assert bm.layout_chat_template("tiny-calc") == (trl_templates_dir() / "qwen2_5.jinja").read_text()
+    assert bm.layout_chat_template("tiny") == bm.CHAT_TEMPLATE
+    assert warm_start.CALCULATOR_SCHEMA == get_json_schema(calculator)
+    for seed in (0, 7, f"3:{prompts.HELDOUT_STREAM}"):
+        ours, theirs = warm_start.arithmetic_rows(seed), prompts.iter_builtin_rows("arithmetic", seed)
+        assert [next(ours) for _ in range(300)] == [next(theirs) for _ in range(300)]
+    for row in prompts.builtin_rows("arithmetic", 200, 0):
+        assert calculator(warm_start.expression(row["prompt"])) == row["answer"], row
+    rendered = warm_start.render([warm_start.chat("What is 2 + 3?", "5", call_tool=True)], bm.qwen2_5_chat_template())
+    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>' in rendered[0]
+    assert "<tool_response>\n5\n</tool_response>" in rendered[0] and '"name": "calculator"' in rendered[0]

@@ -733,6 +733,29 @@ def test_calculator_tool_on_the_real_model(tmp_path):
     assert figures["steps"] == steps and figures["eval"][0][0] == 0
 
 
+def test_quickstart_tools_through_the_colocated_engine(tmp_path):
+    """recipes/quickstart-tools.yaml with vLLM: the built-in tiny-calc model calls the calculator, so vLLM generates
+    second turns (after the tool's result) under one hold; the weight check on every step; held-out tool calls per
+    episode and right answers rise as on CPU (tests/test_e2e.py)."""
+    from colocate_rl.rundir import step_records
+
+    run = tmp_path / "run"
+    steps = int(os.environ.get("QT_STEPS", "30"))
+    args = ["train", "recipes/quickstart-tools.yaml", "--run-dir", str(run), "--set", f"trainer.max_steps={steps}"]
+    args += ["--set", "generation.enforce_eager=true"]
+    result = cli(args, ONE)
+    log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
+    assert result.returncode == 0, result.stdout[-3000:] + log[-8000:]
+    figures = _tool_figures(run)
+    figures["s_per_step_median"] = statistics.median(r["time/step_s"] for r in step_records(run)[1:])
+    print(json.dumps(figures))
+    (Path(os.environ.get("GPU_FIGURES", tmp_path)) / "quickstart_tools.json").write_text(json.dumps(figures))
+    evals = [r for r in read_metrics(run) if "eval/reward" in r]
+    assert evals[0]["eval/tool_calls_per_episode"] < 0.5 < evals[-1]["eval/tool_calls_per_episode"], evals
+    assert evals[-1]["eval/turns_per_episode"] > 1.5 and evals[-1]["eval/answer_match"] > evals[0]["eval/answer_match"]
+    assert all(r.get("time/weight_check_s", 0) > 0 for r in step_records(run))  # vLLM's weights checked
+
+
 @pytest.mark.skipif(not REAL_MODEL, reason="needs REAL_MODEL_DIR")
 def test_trls_environment_example_through_the_engine(tmp_path):
     """TRL's own environment example (`IncrementEnv`, tests/envs/increment_env.py) trained a few steps on the real

@@ -172,7 +172,7 @@ def test_all_schema_errors_are_listed_at_once():
             with_(model={"name": "builtin:huge"}),
             CPU,
             "model.name: unknown built-in layout 'huge'; choose one of: builtin:tiny, builtin:qwen2.5-0.5b, "
-            "builtin:qwen2.5-1.5b, builtin:qwen2.5-7b",
+            "builtin:qwen2.5-1.5b, builtin:qwen2.5-7b, builtin:tiny-calc",
         ),
         (
             with_(model={"name": "./no/such/model"}),

@@ -58,7 +58,7 @@ class ModelSection(_Section):
     name: str = Field(
         "builtin:tiny",
         description="`builtin:<layout>` (offline random-init model: tiny, qwen2.5-0.5b, qwen2.5-1.5b, "
-        "qwen2.5-7b), a local model directory, or a hub id such as Qwen/Qwen2.5-1.5B-Instruct.",
+        "qwen2.5-7b; tiny-calc: tiny warm-started to call the calculator tool), a local model directory, or a hub id such as Qwen/Qwen2.5-1.5B-Instruct.",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Weights dtype; auto = bfloat16 on GPU, float32 on CPU."

@@ -53,7 +53,10 @@ class ToolsSection(BaseModel):
     def summary(self) -> str:
         """`calculator, env.py:Game; ≤ 4 turns, ≤ 8 calls, 10 s a call` for the plan's table."""
         what = [*self.functions, *([self.environment] if self.environment else [])]
-        return f"{', '.join(what)}; ≤ {self.max_turns} turns, ≤ {self.max_calls} calls, {self.timeout_s:g} s a call"
+        turns, calls = (
+            f"{n} {word}{'s' * (n != 1)}" for n, word in ((self.max_turns, "turn"), (self.max_calls, "call"))
+        )
+        return f"{', '.join(what)}; ≤ {turns}, ≤ {calls}, {self.timeout_s:g} s a call"
 
     @property
     def active(self) -> bool:
