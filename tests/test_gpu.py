@@ -753,7 +753,9 @@ def test_quickstart_tools_through_the_colocated_engine(tmp_path):
     evals = [r for r in read_metrics(run) if "eval/reward" in r]
     assert evals[0]["eval/tool_calls_per_episode"] < 0.5 < evals[-1]["eval/tool_calls_per_episode"], evals
     assert evals[-1]["eval/turns_per_episode"] > 1.5 and evals[-1]["eval/answer_match"] > evals[0]["eval/answer_match"]
-    assert all(r.get("time/weight_check_s", 0) > 0 for r in step_records(run))  # vLLM's weights checked
+    # every push is checked; the step after an evaluation pushes nothing (the evaluation pushed these weights)
+    after_eval = {r["step"] + 1 for r in evals}
+    assert all(r.get("time/weight_check_s", 0) > 0 for r in step_records(run) if r["step"] not in after_eval)
 
 
 @pytest.mark.skipif(not REAL_MODEL, reason="needs REAL_MODEL_DIR")
