@@ -758,6 +758,47 @@ def test_quickstart_tools_through_the_colocated_engine(tmp_path):
     assert all(r.get("time/weight_check_s", 0) > 0 for r in step_records(run) if r["step"] not in after_eval)
 
 
+def test_an_environment_the_model_calls_through_the_engine(tmp_path):
+    """An `environment_factory` environment (tests/envs/calculator_env.py: the calculator as its method, its own
+    `get_reward`) on builtin:tiny-calc, which calls it: TRL resets one environment per episode and vLLM generates the
+    turn after each call; the environment's reward and the tool calls rise on the held-out episodes."""
+    from colocate_rl.rundir import step_records
+
+    recipe = {
+        "name": "calculator-env",
+        "model": {"name": "builtin:tiny-calc"},
+        "data": {"source": "builtin:arithmetic", "chat": True},
+        "rewards": [{"name": "answer_match"}],
+        "tools": {"environment": f"{ROOT}/tests/envs/calculator_env.py:CalculatorEnv", "max_turns": 2, "max_calls": 1},
+        "trainer": {
+            "learning_rate": 5e-4,
+            "per_device_train_batch_size": 16,
+            "num_generations": 8,
+            "max_completion_length": 64,
+            "max_steps": int(os.environ.get("ENV_STEPS", "10")),
+        },
+        "eval": {"every_steps": int(os.environ.get("ENV_STEPS", "10")), "num_samples": 64, "temperature": 0.0},
+        "generation": {"vllm_gpu_memory_utilization": 0.2, "enforce_eager": True},
+    }
+    path = tmp_path / "calculator-env.yaml"
+    path.write_text(json.dumps(recipe))
+    run = tmp_path / "run"
+    result = cli(["train", str(path), "--run-dir", str(run)], ONE)
+    log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
+    assert result.returncode == 0, result.stdout[-3000:] + log[-8000:]
+    evals = [r for r in read_metrics(run) if "eval/reward" in r]
+    figures = {
+        "eval": [[r["step"], r["eval/CalculatorEnv"], r["eval/tool_calls_per_episode"]] for r in evals],
+        "s_per_step_median": statistics.median(r["time/step_s"] for r in step_records(run)[1:]),
+    }
+    print(json.dumps(figures))
+    (Path(os.environ.get("GPU_FIGURES", tmp_path)) / "calculator_env.json").write_text(json.dumps(figures))
+    assert (
+        evals[-1]["eval/CalculatorEnv"] > evals[0]["eval/CalculatorEnv"] and evals[-1]["eval/turns_per_episode"] > 1.5
+    )
+    assert all("rewards/CalculatorEnv/mean" in r for r in step_records(run))
+
+
 @pytest.mark.skipif(not REAL_MODEL, reason="needs REAL_MODEL_DIR")
 def test_trls_environment_example_through_the_engine(tmp_path):
     """TRL's own environment example (`IncrementEnv`, tests/envs/increment_env.py) trained a few steps on the real
