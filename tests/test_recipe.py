@@ -83,7 +83,7 @@ def test_schema_errors_name_the_dotted_key(data, expected):
 
 def test_all_schema_errors_are_listed_at_once():
     with pytest.raises(UserError) as info:
-        parse_recipe({"rewards": [], "trainer": {"max_steps": 0, "beta": -1}, "oops": True})
+        parse_recipe({"rewards": "answer_match", "trainer": {"max_steps": 0, "beta": -1}, "oops": True})
     assert [line.split(":")[0] for line in info.value.lines] == ["rewards", "trainer.max_steps", "trainer.beta", "oops"]
 
 

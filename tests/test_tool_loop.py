@@ -171,7 +171,8 @@ def test_a_tool_recipe_runs_through_torchrun_with_trls_environment_example(tmp_p
 def test_an_environment_the_model_calls_learns_through_torchrun(tmp_path):
     """An `environment_factory` environment whose method the model does call (tests/envs/calculator_env.py on
     builtin:tiny-calc), 2 ranks through real torchrun: one environment reset per episode with its row, the second turn
-    after the call's result, the environment's reward in every step and on the held-out episodes, where it rises.
+    after the call's result, the environment's reward (the only one: `rewards: []`) in every step and on the held-out
+    episodes, where it rises.
     Deterministic on one CPU, measured: eval/CalculatorEnv 0.078 -> 0.44, tool calls per episode 0.09 -> 1.0 in 10
     steps (on the H200 machine, its model built there: 0.125 -> 0.516, 0.27 -> 1.0)."""
     from conftest import ROOT, cli, write_recipe
@@ -184,7 +185,7 @@ def test_an_environment_the_model_calls_learns_through_torchrun(tmp_path):
             "name": "calculator-env",
             "model": {"name": "builtin:tiny-calc"},
             "data": {"source": "builtin:arithmetic", "chat": True},
-            "rewards": [{"name": "answer_match"}],
+            "rewards": [],  # the environment's get_reward is the only reward
             "tools": {
                 "environment": f"{ROOT}/tests/envs/calculator_env.py:CalculatorEnv",
                 "max_turns": 2,

@@ -97,6 +97,19 @@ class NoReset:
         return str(x)
 
 
+class NoReward:
+    def reset(self, **row):
+        pass
+
+    def act(self, x: int) -> str:
+        """Act.
+
+        Args:
+            x: A number.
+        """
+        return str(x)
+
+
 def broken_factory():
     raise RuntimeError("no backend")
 '''
@@ -210,6 +223,29 @@ def test_user_tool_and_environment_code_is_checked_before_launch(tool_file):
     assert line.startswith("tools.environment: building an environment failed: RuntimeError: no backend")
     [line] = problems({"functions": [f"{tool_file}:increment_"], "environment": f"{tool_file}:Counter"})
     assert line.startswith("tools.functions[0]:")
+
+
+def test_an_environment_with_get_reward_may_be_the_only_reward(tool_file, tmp_path):
+    """TRL scores episodes with the environment's get_reward when no reward function is given; without one (or
+    without an environment) an empty rewards list stops at validate with one line, exit 2."""
+    from colocate_rl.plan.trl_args import trl_args
+
+    owned = resolved({**ARITHMETIC, "rewards": [], "tools": {"environment": f"{tool_file}:Counter"}}, CPU)
+    assert trl_args(owned, ROOT_RUN)["reward_weights"] is None  # TRL gives the environment's reward weight 1
+    for tools, line in [
+        (
+            {"environment": f"{tool_file}:NoReward"},
+            "rewards: none given and tools.environment's NoReward has no get_reward(); add a reward under rewards: "
+            "or a get_reward() method that scores the episode",
+        ),
+        (
+            {},
+            "rewards: none given; add one (e.g. rewards: [{name: answer_match}]), or score episodes with a "
+            "tools.environment whose class has get_reward()",
+        ),
+    ]:
+        recipe = write_recipe(tmp_path / "r.yaml", {**ARITHMETIC, "rewards": [], "tools": tools})
+        assert_user_error(cli_here("validate", recipe), line, one_line=True)
 
 
 def test_trl_parses_exactly_the_templates_the_plan_names():

@@ -81,7 +81,10 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "", 
             f"{r.model.name} ({resolved.model_dtype})" + (f", LoRA {r.model.lora.summary()}" if r.model.lora else ""),
         ),
         ("data", r.data.source),
-        ("rewards", ", ".join(f"{x.name or x.model}×{x.weight:g}" for x in r.rewards)),
+        (
+            "rewards",
+            ", ".join(f"{x.name or x.model}×{x.weight:g}" for x in r.rewards) or "the environment's get_reward",
+        ),
         *([("tools", r.tools.summary())] if r.tools.active else []),
         (
             "ranks",

@@ -171,6 +171,11 @@ def _check_rewards(
     from colocate_rl.rewards import resolve_reward, reward_columns, time_limit
 
     functions, configs, problems = {}, {}, []
+    if not recipe.rewards and recipe.tools.environment is None:
+        problems.append(
+            "rewards: none given; add one (e.g. rewards: [{name: answer_match}]), or score episodes with a "
+            "tools.environment whose class has get_reward()"
+        )
     for i, reward in enumerate(recipe.rewards):
         if reward.model is not None:
             try:

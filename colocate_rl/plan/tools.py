@@ -177,6 +177,11 @@ def _tool_problems(recipe: Recipe, layout: str | None) -> tuple[list[str], Calla
             return problems + e.lines, None
         if not callable(getattr(environment, "reset", None)):
             problems.append(f"{key}: {type(environment).__name__} has no reset method; TRL starts each episode with it")
+        if not recipe.rewards and not callable(getattr(environment, "get_reward", None)):
+            problems.append(
+                f"rewards: none given and tools.environment's {type(environment).__name__} has no get_reward(); "
+                "add a reward under rewards: or a get_reward() method that scores the episode"
+            )
         for method in environment_tools(environment):
             problem = schema_problem(method, key)
             problems += [problem] if problem else []

@@ -116,7 +116,7 @@ def trl_args(resolved: Resolved, run_dir: Path) -> dict[str, Any]:
         "fp16": resolved.precision == "fp16",
         "use_cpu": resolved.device == "cpu",
         "model_init_kwargs": {"dtype": resolved.model_dtype},
-        "reward_weights": [r.weight for r in recipe.rewards],
+        "reward_weights": [r.weight for r in recipe.rewards] or None,  # none: the environment's get_reward, weight 1
         "use_vllm": resolved.backend == "vllm",
     }
     if resolved.deepspeed is not None:

@@ -57,8 +57,8 @@ class ModelSection(_Section):
 
     name: str = Field(
         "builtin:tiny",
-        description="`builtin:<layout>` (offline random-init model: tiny, qwen2.5-0.5b, qwen2.5-1.5b, "
-        "qwen2.5-7b; tiny-calc: tiny warm-started to call the calculator tool), a local model directory, or a hub id such as Qwen/Qwen2.5-1.5B-Instruct.",
+        description="`builtin:<layout>` (offline model: tiny, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b random-init; "
+        "tiny-calc taught to call the calculator), a local model directory, or a hub id such as Qwen/Qwen2.5-1.5B.",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Weights dtype; auto = bfloat16 on GPU, float32 on CPU."
@@ -387,7 +387,7 @@ class Recipe(_Section):
     )
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
-    rewards: list[RewardSpec] = Field(min_length=1, description="Reward functions and reward models (at least one).")
+    rewards: list[RewardSpec] = Field(description="Reward functions and models (none: the environment's get_reward).")
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     generation: GenerationSection = Field(default_factory=GenerationSection)
     eval: EvalSection = Field(default_factory=EvalSection)
