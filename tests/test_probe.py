@@ -395,6 +395,11 @@ def test_one_real_trial_of_the_quickstart_on_cpu(tmp_path, monkeypatch):
     assert set(result.peaks) >= {"generation", "training", "optimizer step"}
     assert all(0.1 < v < 8 for v in result.peaks.values())
     assert {"generate", "train", "optimizer"} <= set(result.raw_peaks)
+    from colocate_rl.rundir import read_metrics
+
+    step2 = [r for r in read_metrics(result.run_dir) if r.get("step") == 2 and "time/step_s" in r]
+    assert result.s_per_step == round(step2[0]["time/step_s"], 3) and 0 < result.s_per_step < result.seconds
+    assert result.record()["s_per_step"] == result.s_per_step  # in the probe's JSON
 
 
 # ------------------------------------------------------------------------------------- every shipped recipe
@@ -682,8 +687,15 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
         recipe = yaml.safe_load(plan.files["recipe.yaml"])
         calls.append((plan.run_dir.name, steps, recipe))
         peaks = {"generation": 8.6 + util * 140.4, "weight sync": 6.4, "training": 14.5, "optimizer step": 6.3}
+        ok = util <= 0.6
         return TrialResult(
-            util, OK if util <= 0.6 else OOM, 1.0, steps if util <= 0.6 else 1, str(plan.run_dir), peaks=peaks
+            util,
+            OK if ok else OOM,
+            1.0,
+            steps if ok else 1,
+            str(plan.run_dir),
+            peaks=peaks,
+            s_per_step=0.37 if ok else None,
         )
 
     monkeypatch.setattr(P, "run_trial", run_trial)
@@ -741,6 +753,8 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     assert "measured vs estimated peak per GPU (GiB) at share 0.6" in table.output
     assert "recommended: generation.vllm_gpu_memory_utilization 0.58" in table.output
     assert "layout (auto): ZeRO-2 confirmed" in table.output
+    assert "s/step" in table.output and " 0.37 " in table.output  # each trial's time per step beside its peaks
+    assert {t["util"]: t["s_per_step"] for t in data["trials"]}[0.6] == 0.37
 
     def roomy(plan, util, steps, timeout_s):  # the estimate's top (0.94) is too low
         calls.append(util)

@@ -30,8 +30,8 @@ from colocate_rl.errors import UserError
 def trials_table(trials) -> Table:
     from colocate_rl.memory.estimate import MEMORY_PHASES
 
-    table = Table(title="trials (peak GiB per phase, any rank, first step left out)")
-    for col in ("#", "share", "result", "seconds", "steps", *MEMORY_PHASES):
+    table = Table(title="trials (s/step and peak GiB per phase, any rank, first step left out)")
+    for col in ("#", "share", "result", "seconds", "steps", "s/step", *MEMORY_PHASES):
         table.add_column(col, justify="left" if col == "result" else "right")
     for k, t in enumerate(trials, 1):
         table.add_row(
@@ -40,6 +40,7 @@ def trials_table(trials) -> Table:
             t.outcome if t.ok else f"[red]{t.outcome}[/]",
             f"{t.seconds:.0f}",
             str(t.steps),
+            "" if t.s_per_step is None else f"{t.s_per_step:.2f}",
             *(f"{t.peaks[p]:.2f}" if p in t.peaks else "" for p in MEMORY_PHASES),
         )
     return table

@@ -24,6 +24,7 @@ class TrialResult:
     detail: str = ""  # the log line that classified the failure, or why it failed
     peaks: dict[str, float] = field(default_factory=dict)  # estimator phase → GiB (max over ranks)
     raw_peaks: dict[str, float] = field(default_factory=dict)  # telemetry phase → GiB, nested phases included
+    s_per_step: float | None = None  # median time/step_s of the steps after the first (None: fewer than 2 steps)
     log_tail: str = ""
 
     @property

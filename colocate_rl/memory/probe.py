@@ -22,6 +22,7 @@ fits, a trial that does not plan).
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -116,21 +117,23 @@ def plan_trial(resolved: Resolved, run_dir: Path) -> LaunchPlan:
 
 def run_trial(plan: LaunchPlan, util: float, steps: int, timeout_s: float = 900) -> TrialResult:
     """Run a trial's plan (its run directory must not exist) for `steps` steps at share `util`; classify the
-    outcome and read the per-phase peaks."""
+    outcome, read the per-phase peaks and time the steps after the first (the first compiles and warms up)."""
     begin = time.monotonic()
     execute.prepare(plan)
     run = execute.run(plan, timeout_s=timeout_s, stdin=subprocess.DEVNULL)
     run_dir = plan.run_dir
-    done = {
-        r["step"]
+    records = [
+        r
         for r in read_metrics(run_dir)
         if isinstance(r.get("step"), int) and ("reward" in r or "loss" in r) and "train_runtime" not in r
-    }
-    steps_done = max(done, default=0)
+    ]
+    steps_done = max((r["step"] for r in records), default=0)
+    timed = [r["time/step_s"] for r in records if r["step"] > 1 and isinstance(r.get("time/step_s"), (int, float))]
     log = run.log.read_text(errors="replace") if run.log.exists() else ""
     peaks, raw = phase_peaks(run_dir) if RunDir(run_dir).timeline_dir.is_dir() else ({}, {})
     seconds = round(time.monotonic() - begin, 1)
     result = TrialResult(util, OK, seconds, steps_done, str(run_dir), peaks=peaks, raw_peaks=raw)
+    result.s_per_step = round(statistics.median(timed), 3) if timed else None
     if run.timed_out:
         result.outcome, result.detail = TIMEOUT, f"no result after {timeout_s:g} s (--trial-timeout); ended it"
     elif run.torchrun_code != 0 or steps_done < steps:
