@@ -758,6 +758,16 @@ def test_quickstart_tools_through_the_colocated_engine(tmp_path):
     assert all(r.get("time/weight_check_s", 0) > 0 for r in step_records(run) if r["step"] not in after_eval)
 
 
+def train_recipe(tmp_path: Path, recipe: dict) -> Path:
+    """`colocate-rl train` of a recipe given as a mapping, on the one-GPU tests' GPU; returns its run directory."""
+    path, run = tmp_path / f"{recipe['name']}.yaml", tmp_path / "run"
+    path.write_text(json.dumps(recipe))
+    result = cli(["train", str(path), "--run-dir", str(run)], ONE)
+    log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
+    assert result.returncode == 0, result.stdout[-3000:] + log[-8000:]
+    return run
+
+
 def test_an_environment_the_model_calls_through_the_engine(tmp_path):
     """An `environment_factory` environment (tests/envs/calculator_env.py: the calculator as its method, its own
     `get_reward`) on builtin:tiny-calc, which calls it: TRL resets one environment per episode and vLLM generates the
@@ -780,12 +790,7 @@ def test_an_environment_the_model_calls_through_the_engine(tmp_path):
         "eval": {"every_steps": int(os.environ.get("ENV_STEPS", "10")), "num_samples": 64, "temperature": 0.0},
         "generation": {"vllm_gpu_memory_utilization": 0.2, "enforce_eager": True},
     }
-    path = tmp_path / "calculator-env.yaml"
-    path.write_text(json.dumps(recipe))
-    run = tmp_path / "run"
-    result = cli(["train", str(path), "--run-dir", str(run)], ONE)
-    log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
-    assert result.returncode == 0, result.stdout[-3000:] + log[-8000:]
+    run = train_recipe(tmp_path, recipe)
     evals = [r for r in read_metrics(run) if "eval/reward" in r]
     figures = {
         "eval": [[r["step"], r["eval/CalculatorEnv"], r["eval/tool_calls_per_episode"]] for r in evals],
@@ -822,12 +827,7 @@ def test_trls_environment_example_through_the_engine(tmp_path):
         "generation": {"vllm_gpu_memory_utilization": 0.3, "enforce_eager": True},
         "distributed": {"deepspeed": None, "zero_stage": None},
     }
-    path = tmp_path / "increment.yaml"
-    path.write_text(json.dumps(recipe))
-    run = tmp_path / "run"
-    result = cli(["train", str(path), "--run-dir", str(run)], ONE)
-    log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
-    assert result.returncode == 0, result.stdout[-3000:] + log[-8000:]
+    run = train_recipe(tmp_path, recipe)
     steps = step_records(run)
     assert len(steps) == recipe["trainer"]["max_steps"]
     assert all("rewards/IncrementEnv/mean" in r and r.get("time/weight_check_s", 0) > 0 for r in steps)
