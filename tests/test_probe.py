@@ -527,7 +527,7 @@ def test_measuring_a_recipe_with_eval_says_what_the_trials_turn_off(tmp_path, mo
     def run_trial(plan, util, steps, timeout_s):
         recipes.append(yaml.safe_load(plan.files["recipe.yaml"]))
         ok = util <= 0.5
-        return TrialResult(util, OK if ok else OOM, 1.0, steps if ok else 1, str(plan.run_dir))
+        return TrialResult(util, OK if ok else OOM, 1.0, steps if ok else 1, str(plan.run_dir), s_per_step=1.0)
 
     monkeypatch.setattr(P, "run_trial", run_trial)
     out = tmp_path / "probed.yaml"
@@ -713,7 +713,12 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     result = CliRunner().invoke(cli.app, [*args, "--json", "--write", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout.strip().splitlines()[-1])
-    assert data["largest_passing"] == 0.6 and data["recommended"] == 0.58 and data["steps"] == 2
+    # one recommendation: the share that holds one generation batch (the estimate's, 0.08), not the largest passing
+    # (0.6) less the margin: a larger share buys nothing; the recipe fixes its sleep level and micro-batch, so the
+    # sweep is one trial at that share
+    assert data["largest_passing"] == 0.6 and data["recommended"] == 0.08 == data["estimate"]["chosen"]
+    assert data["steps"] == 2 and data["sweep"]["share"] == 0.08 and len(data["sweep"]["configs"]) == 1
+    assert calls[-1][0] == "trial-12-util0.08-sleep2-mb16" and data["sweep"]["fastest"]["s_per_step"] == 0.37
     # the estimated largest share first; auto's layout at the recipe's share (0.25: ZeRO-2) pinned for every trial
     # (at 0.94 auto alone would pick ZeRO-3 with full offload, as the first H200 runs did)
     pinned = [
@@ -744,28 +749,29 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     assert check["measured_peak_gib"] == pytest.approx(8.6 + 0.25 * 140.4, abs=0.01)
     assert check["line"].startswith("ZeRO-2 confirmed: measured peak 43.70 GiB")
     written = out.read_text()
-    assert "vllm_gpu_memory_utilization: 0.58" in written and "enforce_eager: true" in written
+    assert "vllm_gpu_memory_utilization: 0.08" in written and "enforce_eager: true" in written
     assert "zero_stage: 2" in written and "gradient_checkpointing: false" in written  # the layout that was measured
     assert data["pinned_sets"] == pinned
-    assert written.startswith("# gpu-0.5b-layout with generation.vllm_gpu_memory_utilization 0.58 measured")
+    assert written.startswith("# gpu-0.5b-layout with the values measured by `colocate-rl mem-probe` (")
     table = CliRunner().invoke(cli.app, [*args[:2], "--probe-dir", str(tmp_path / "probe2")], env={"COLUMNS": "200"})
     assert table.exit_code == 0, table.output
     assert "measured vs estimated peak per GPU (GiB) at share 0.6" in table.output
-    assert "recommended: generation.vllm_gpu_memory_utilization 0.58" in table.output
+    assert "--set generation.vllm_gpu_memory_utilization=0.08 — 0.37 s/step, measured at share 0.08" in table.output
     assert "layout (auto): ZeRO-2 confirmed" in table.output
     assert "s/step" in table.output and " 0.37 " in table.output  # each trial's time per step beside its peaks
     assert {t["util"]: t["s_per_step"] for t in data["trials"]}[0.6] == 0.37
 
     def roomy(plan, util, steps, timeout_s):  # the estimate's top (0.94) is too low
         calls.append(util)
-        return TrialResult(util, OK if util <= 0.97 else START_REFUSED, 1.0, steps, str(plan.run_dir))
+        return TrialResult(util, OK if util <= 0.97 else START_REFUSED, 1.0, steps, str(plan.run_dir), s_per_step=0.4)
 
     calls.clear()
     monkeypatch.setattr(P, "run_trial", roomy)
     above = CliRunner().invoke(cli.app, [*args, "--json", "--probe-dir", str(tmp_path / "probe4")])
     found = json.loads(above.stdout.strip().splitlines()[-1])
-    assert calls == [0.94, 0.97, 0.98] and found["searched"][1] == pytest.approx(0.989, abs=1e-3)
-    assert found["largest_passing"] == 0.97 and found["recommended"] == 0.95 and found["estimate"]["upper"] < 0.95
+    assert calls == [0.94, 0.97, 0.98, 0.08] and found["searched"][1] == pytest.approx(0.989, abs=1e-3)
+    assert found["largest_passing"] == 0.97 and found["estimate"]["upper"] < 0.95
+    assert found["recommended"] == 0.08 and found["sweep"]["fastest"]["s_per_step"] == 0.4
 
     def too_big(plan, util, steps, timeout_s):  # training needs more than auto assumed
         return TrialResult(
@@ -787,3 +793,85 @@ def test_peak_moved_to_another_share():
     assert peaks.peak_at_share({"generation": 75.0, "training": 22.0}, 0.6, 0.25, est) == pytest.approx(40.0)
     assert peaks.peak_at_share({"generation": 30.0, "training": 22.0}, 0.6, 0.25, est) == 22.0
     assert peaks.peak_at_share({}, 0.6, 0.25, est) is None
+
+
+# ------------------------------------------------------------------------------------------------ sweep
+
+
+def timed(table: dict, log: list | None = None):
+    """A sweep trial function: `table[(level, size)]` is (s/step, peak GiB) or an outcome string."""
+
+    def trial(config):
+        if log is not None:
+            log.append((config.sleep_level, config.micro_batch))
+        got = table[(config.sleep_level, config.micro_batch)]
+        if isinstance(got, str):
+            return TrialResult(0.3, got, detail="CUDA out of memory" if got == OOM else "")
+        s, peak = got
+        return TrialResult(0.3, OK, steps=3, peaks={"generation": peak - 1, "training": peak}, s_per_step=s)
+
+    return trial
+
+
+def test_the_sweep_recommends_the_fastest_that_fits_and_says_why_the_others_lost():
+    from colocate_rl.memory.sweep import configs, run_sweep
+
+    table = {
+        (0, 32): (3.1, 60.0),
+        (0, 64): (2.9, 90.0),
+        (0, 128): (2.5, 130.0),  # fastest, but above the limit: not recommended
+        (0, 256): (2.0, 70.0),  # never tried: 128 did not fit at level 0
+        (2, 32): (3.4, 40.0),
+        (2, 64): (3.0, 55.0),
+        (2, 128): OOM,
+        (2, 256): (1.0, 1.0),  # never tried: 128 ran out of memory at level 2
+    }
+    log = []
+    sweep = run_sweep(timed(table, log), configs((0, 2), (64, 32, 128, 256)), limit_gib=126.4, share=0.3)
+    assert log == [(0, 32), (0, 64), (0, 128), (2, 32), (2, 64), (2, 128)]  # ascending; stops at what did not fit
+    assert (sweep.best.config.sleep_level, sweep.best.config.micro_batch) == (0, 64)
+    verdicts = {(e.config.sleep_level, e.config.micro_batch): e.verdict for e in sweep.entries}
+    assert verdicts[(0, 64)] == ""
+    assert verdicts[(0, 32)] == "7 % slower (3.10 against 2.90 s/step)"
+    assert verdicts[(0, 128)] == "peak 130.00 GiB above the limit 126.4 GiB"
+    assert verdicts[(0, 256)] == "not tried: micro-batch 128 did not fit"
+    assert verdicts[(2, 128)] == "out of memory: CUDA out of memory"
+    assert verdicts[(2, 256)] == "not tried: micro-batch 128 did not fit"
+    data = sweep.to_json()
+    assert data["fastest"]["verdict"] == "fastest" and data["fastest"]["s_per_step"] == 2.9
+    assert [c["outcome"] for c in data["configs"]].count(None) == 2
+
+
+def test_a_sweep_where_nothing_fits_recommends_nothing():
+    from colocate_rl.memory.sweep import configs, run_sweep
+
+    sweep = run_sweep(timed({(2, 8): OOM}), configs((2,), (8,)), limit_gib=10.0, share=0.2)
+    assert sweep.best is None and sweep.to_json()["fastest"] is None
+
+
+@pytest.mark.parametrize(
+    "estimated, trials, recommended, expected",
+    [
+        (0.07, [(0.91, OK), (0.95, OOM)], 0.89, 0.07),  # the estimate's share: a larger one buys nothing
+        (0.95, [(0.91, OK), (0.95, OOM)], 0.89, 0.89),  # never above the largest passing less the margin
+        (0.07, [(0.05, KV_TOO_SMALL), (0.2, OK), (0.1, OK)], 0.18, 0.1),  # the estimate's KV share was too small
+        (0.07, [(0.2, OOM)], None, None),  # nothing passed: no sweep
+    ],
+)
+def test_the_sweep_share(estimated, trials, recommended, expected):
+    from colocate_rl.memory.bisect import ProbeResult
+    from colocate_rl.memory.sweep import sweep_share
+
+    passed = [u for u, o in trials if o == OK]
+    result = ProbeResult(
+        [TrialResult(u, o) for u, o in trials],
+        0.01,
+        0.95,
+        0.01,
+        0.02,
+        max(passed, default=None),
+        min(passed, default=None),
+        recommended,
+        [],
+    )
+    assert sweep_share(estimated, result) == expected

@@ -46,6 +46,24 @@ def trials_table(trials) -> Table:
     return table
 
 
+def sweep_table(sweep) -> Table:
+    table = Table(title=f"configurations at share {sweep.share:g} (limit {sweep.limit_gib:.1f} GiB peak)")
+    for col in ("sleep level", "micro-batch", "result", "s/step", "peak GiB", "verdict"):
+        table.add_column(col, justify="left" if col in ("result", "verdict") else "right")
+    for e in sweep.entries:
+        t = e.trial
+        result = "not tried" if t is None else t.outcome if t.ok else f"[red]{t.outcome}[/]"
+        table.add_row(
+            str(e.config.sleep_level),
+            str(e.config.micro_batch),
+            result,
+            "" if t is None or t.s_per_step is None else f"{t.s_per_step:.2f}",
+            "" if e.peak is None else f"{e.peak:.2f}",
+            e.verdict or "[bold]fastest[/]",
+        )
+    return table
+
+
 def comparison_table(rows: list[dict[str, Any]], util: float) -> Table:
     table = Table(title=f"measured vs estimated peak per GPU (GiB) at share {util:g}")
     for col in ("phase", "estimate", "measured", "estimate error"):
@@ -120,6 +138,14 @@ def mem_probe(
             help="Measuring: end a trial after this long (it then stops the probe).",
         ),
     ] = 1200,
+    sweep: Annotated[
+        bool,
+        typer.Option(
+            "--sweep/--no-sweep",
+            help="Measuring: after the bisection, time what the recipe leaves auto (sleep level, micro-batch) at the "
+            "share that holds one generation batch, and recommend the fastest that fits.",
+        ),
+    ] = True,
 ) -> None:
     """GPU memory per rank and phase (generation, weight sync, training, optimizer step) and the vLLM share to set."""
     from colocate_rl.plan.host import detect_host
@@ -150,6 +176,7 @@ def mem_probe(
         resolution,
         margin,
         trial_timeout,
+        sweep,
     )
 
 
@@ -198,7 +225,19 @@ def _estimate(recipe, overrides, detected, gpus, gpu_memory, prompt_tokens, json
 
 
 def _measure(
-    recipe, overrides, host, gib, prompt_tokens, json_out, write, steps, probe_dir, resolution, margin, trial_timeout
+    recipe,
+    overrides,
+    host,
+    gib,
+    prompt_tokens,
+    json_out,
+    write,
+    steps,
+    probe_dir,
+    resolution,
+    margin,
+    trial_timeout,
+    sweep,
 ) -> None:
     from colocate_rl.memory.bisect import ProbeAborted
     from colocate_rl.memory.probe import (
@@ -212,6 +251,11 @@ def _measure(
     from colocate_rl.plan.sources import explain_sources
     from colocate_rl.recipe.load import format_sets, write_recipe_copy
 
+    if sweep and steps < 2:
+        raise UserError(
+            f"--steps: {steps} times nothing (the first step compiles and warms up, so it is left out): use --steps 2 "
+            "or more to sweep, or --no-sweep"
+        )
     source = read_recipe(recipe, overrides, env=os.environ)
     resolve_with = resolver(source, host)  # the recipe and every trial's variant over one pre-flight
     resolved = resolve_with({})
@@ -265,6 +309,8 @@ def _measure(
             timeout_s=trial_timeout,
             on_start=lambda k, u: out.print(f"trial {k}: share {u:g} ...", highlight=False),
             on_trial=on_trial,
+            sweep=sweep,
+            on_sweep=lambda k, c, u: out.print(f"trial {k}: share {u:g}, {c.label} ...", highlight=False),
         )
     except ProbeAborted as e:
         err_console.print(trials_table(e.trials))
@@ -274,25 +320,47 @@ def _measure(
             f"does not bisect on ({e.trial.outcome}: {e.trial.detail}); its run directory is "
             f"{e.trial.run_dir}; fix that and probe again"
         )
-    result = measured.result
+    result, sets = measured.result, measured.recommended_sets()
     _print_measurement(measured, source.path, gib, steps, margin, json_out)
-    if result.recommended is None:
+    if sets is None:
+        what = (
+            f"no vLLM share in the window completed the steps ({'; '.join(result.notes)})"
+            if result.recommended is None
+            else f"no configuration swept at share {measured.sweep.share:g} completed the steps within the limit"
+        )
         raise UserError(
-            "mem-probe: no vLLM share in the window completed the steps ("
-            + "; ".join(result.notes)
-            + f"); see the trials in {plan.probe_dir}"
-            + ("; nothing written" if write else "")
+            f"mem-probe: {what}; see the trials in {plan.probe_dir}" + ("; nothing written" if write else "")
         )
     if write is not None:
         write_recipe_copy(
             write,
             source.path,
-            {**overrides, **plan.pinned, "generation.vllm_gpu_memory_utilization": result.recommended},
-            f"{recipe} with generation.vllm_gpu_memory_utilization {result.recommended:g} measured by "
-            f"`colocate-rl mem-probe` (largest passing {result.largest:g} − margin {margin:g})"
-            + (f" and what the trials ran with ({chose})" if plan.pinned else ""),
+            {**overrides, **sets},
+            f"{recipe} with the values measured by `colocate-rl mem-probe` ({', '.join(format_sets(sets))})",
         )
         out.print(f"wrote {write}", highlight=False)
+
+
+def recommendation_line(measured, sets: dict[str, Any], steps: int, margin: float) -> str:
+    """The probe's one recommendation and where it comes from."""
+    from colocate_rl.recipe.load import format_sets
+
+    result, sweep = measured.result, measured.sweep
+    given = " ".join(f"--set {item}" for item in format_sets(sets))
+    largest = f"the largest share that completed {steps} steps is {result.largest:g}"
+    if sweep is None:
+        return f"recommended: {given} ({largest}, less the margin {margin:g}; not swept: --no-sweep)"
+    best, n = sweep.best, sum(e.trial is not None for e in sweep.entries)
+    why = "which holds one generation batch's KV cache by the estimate, plus its margin"
+    if sweep.share == result.recommended and sweep.share < measured.plan.estimate.chosen:
+        why = f"the largest passing share less the margin {margin:g} (below the estimate's {measured.plan.estimate.chosen:g})"
+    elif sweep.share > measured.plan.estimate.chosen:
+        why = "the smallest share that completed (the estimate's had too little KV cache)"
+    return (
+        f"recommended: {given} — {best.trial.s_per_step:.2f} s/step"
+        + (f", the fastest of {n} configurations timed" if n > 1 else ", measured")
+        + f" at share {sweep.share:g}, {why} ({largest}; a larger share buys nothing)"
+    )
 
 
 def _print_measurement(measured, recipe_path: Path, gib: float, steps: int, margin: float, json_out: bool) -> None:
@@ -317,14 +385,11 @@ def _print_measurement(measured, recipe_path: Path, gib: float, steps: int, marg
         console.print(trials_table(result.trials))
         if best is not None:
             console.print(comparison_table(comparison(plan.estimate_at(best.util), best.peaks), best.util))
-        if result.recommended is not None:
-            console.print(
-                f"largest share that completed {steps} steps: {result.largest:g}; recommended: "
-                f"generation.vllm_gpu_memory_utilization {result.recommended:g} (largest − margin "
-                f"{margin:g}; the estimate recommended {plan.estimate.chosen:g})",
-                highlight=False,
-                soft_wrap=True,
-            )
+        if measured.sweep is not None:
+            console.print(sweep_table(measured.sweep))
+        sets = measured.recommended_sets()
+        if sets is not None:
+            console.print(recommendation_line(measured, sets, steps, margin), highlight=False, soft_wrap=True)
         for note in result.notes:
             console.print(f"note: {note}", highlight=False, soft_wrap=True)
         for what, check in (("layout", measured.layout_check), ("sleep level", measured.sleep_check)):

@@ -34,16 +34,18 @@ from typing import Any
 from colocate_rl.errors import UserError
 from colocate_rl.launch import execute
 from colocate_rl.launch.failures import FAILED, OK, TIMEOUT, classify_failure
-from colocate_rl.memory.autolayout import confirm_choice
+from colocate_rl.memory.autolayout import LAYOUT_HEADROOM, confirm_choice
 from colocate_rl.memory.bisect import ProbeResult, TrialResult, bisect
 from colocate_rl.memory.estimate import MEMORY_PHASES, Estimate, estimate
 from colocate_rl.memory.peaks import comparison, peak_at_share, phase_peaks
+from colocate_rl.memory.sweep import AUTO_SLEEP_LEVELS, Config, Sweep, configs, run_sweep, sweep_share
 from colocate_rl.plan.launch_plan import LaunchPlan, cache_dir, make_plan
 from colocate_rl.plan.resolved import Resolved
 from colocate_rl.recipe.load import format_sets
 from colocate_rl.recipe.schema import Recipe
 from colocate_rl.rundir import RunDir, read_metrics
 
+SHARE_KEY = "generation.vllm_gpu_memory_utilization"
 SEARCH_ABOVE_ESTIMATE = 0.05  # the estimate can be low by a few hundredths of the share: its top is tried first
 TRIAL_OVERRIDES = {
     "trainer.logging_steps": 1,
@@ -66,7 +68,7 @@ TURNED_OFF = {
 
 def trial_overrides(util: float, steps: int) -> dict[str, Any]:
     """What the probe sets for one trial, after the user's overrides and the pinned layout."""
-    return {"generation.vllm_gpu_memory_utilization": util, "trainer.max_steps": steps, **TRIAL_OVERRIDES}
+    return {SHARE_KEY: util, "trainer.max_steps": steps, **TRIAL_OVERRIDES}
 
 
 def _value(recipe: Recipe, key: str) -> Any:
@@ -164,6 +166,17 @@ class ProbePlan:
     def estimate_at(self, util: float) -> dict[str, float]:
         return {p: self.estimate.total(p, util) for p in MEMORY_PHASES}
 
+    def sweep_configs(self) -> list[Config]:
+        """What the sweep tries: auto's sleep levels (else the recipe's level) × auto's micro-batch and every larger
+        divisor of the step's completions (else the recipe's micro-batch)."""
+        recipe, micro = self.resolved.recipe, self.resolved.micro_batch_choice
+        levels = AUTO_SLEEP_LEVELS if self.resolved.sleep_choice is not None else (recipe.generation.sleep_level,)
+        total = recipe.trainer.step_completions
+        sizes = (recipe.trainer.per_device_train_batch_size,)
+        if micro is not None:
+            sizes = tuple(m for m in range(micro.size, total + 1) if total % m == 0)
+        return configs(levels, sizes)
+
 
 def plan_probe(
     resolved: Resolved,
@@ -219,10 +232,16 @@ def plan_probe(
 
 
 def trial_recipe(
-    plan: ProbePlan, resolve_with: Callable[[Mapping[str, Any]], Resolved], util: float, steps: int
+    plan: ProbePlan,
+    resolve_with: Callable[[Mapping[str, Any]], Resolved],
+    util: float,
+    steps: int,
+    config: Config | None = None,
 ) -> Resolved:
-    """A trial's recipe: the user's (`resolve_with`), the layout pinned, then the probe's `trial_overrides`."""
-    return resolve_with({**plan.pinned, **trial_overrides(util, steps)})
+    """A trial's recipe: the user's (`resolve_with`), the layout pinned (a sweep's `config` in place of the pinned
+    sleep level and micro-batch), then the probe's `trial_overrides`."""
+    swept = {} if config is None else {k: v for k, v in config.sets().items() if k in plan.pinned}
+    return resolve_with({**plan.pinned, **swept, **trial_overrides(util, steps)})
 
 
 @dataclass
@@ -231,6 +250,20 @@ class Measurement:
     result: ProbeResult
     layout_check: dict[str, Any] | None  # auto's choice checked against the best trial moved to the recipe's share
     sleep_check: dict[str, Any] | None = None  # the same for generation.sleep_level auto
+    sweep: Sweep | None = None  # the second stage (None: not run, or no share passed)
+
+    def recommended_sets(self) -> dict[str, Any] | None:
+        """The one recommendation as overrides: the sweep's fastest configuration at its share (with the pinned
+        layout); without a sweep, the bisection's share (largest passing less the margin). None: nothing passed."""
+        plan, result = self.plan, self.result
+        if self.sweep is None:
+            if result.recommended is None:
+                return None
+            return {**plan.pinned, SHARE_KEY: result.recommended}
+        if self.sweep.best is None:
+            return None
+        swept = {k: v for k, v in self.sweep.best.config.sets().items() if k in plan.pinned}
+        return {**plan.pinned, **swept, SHARE_KEY: self.sweep.share}
 
     def to_json(self) -> dict[str, Any]:
         """The probe for `--json`: window, trials, largest/smallest passing share, recommendation, measured vs
@@ -242,7 +275,7 @@ class Measurement:
             "margin": result.margin,
             "largest_passing": result.largest,
             "smallest_passing": result.smallest,
-            "recommended": result.recommended,
+            "recommended": None if (sets := self.recommended_sets()) is None else sets[SHARE_KEY],
             "notes": result.notes,
             "trials": [t.record() for t in result.trials],
         }
@@ -260,6 +293,8 @@ class Measurement:
             **out,
             "layout_check": self.layout_check,
             "sleep_check": self.sleep_check,
+            "sweep": None if self.sweep is None else self.sweep.to_json(),
+            "recommended_sets": None if sets is None else format_sets(sets),
         }
 
 
@@ -273,23 +308,35 @@ def measure(
     timeout_s: float = 900,
     on_start: Callable[[int, float], None] | None = None,
     on_trial: Callable[[int, TrialResult], None] | None = None,
+    sweep: bool = True,
+    on_sweep: Callable[[int, Config, float], None] | None = None,
 ) -> Measurement:
-    """Bisect the share with real trials in `plan.probe_dir/trial-<k>-util<U>`; `resolve_with(overrides)` resolves
-    the recipe with the probe's overrides on top of the user's. Raises ProbeAborted on an unknown failure."""
+    """Bisect the share with real trials in `plan.probe_dir/trial-<k>-util<U>`, then (`sweep`) time each of
+    `plan.sweep_configs()` at `sweep_share` in `trial-<k>-util<U>-sleep<L>-mb<M>`; `resolve_with(overrides)` resolves
+    the recipe with the probe's overrides on top of the user's. Raises ProbeAborted on an unknown bisection failure
+    (a sweep's failure is that configuration's verdict)."""
     count = 0
 
-    def trial(util: float) -> TrialResult:
+    def trial(util: float, config: Config | None = None) -> TrialResult:
         nonlocal count
         count += 1
-        if on_start:
+        if on_start and config is None:
             on_start(count, util)
-        resolved = trial_recipe(plan, resolve_with, util, steps)
-        result = run_trial(plan_trial(resolved, plan.probe_dir / trial_name(count, util)), util, steps, timeout_s)
+        if on_sweep and config is not None:
+            on_sweep(count, config, util)
+        resolved = trial_recipe(plan, resolve_with, util, steps, config)
+        name = trial_name(count, util) + (
+            "" if config is None else f"-sleep{config.sleep_level}-mb{config.micro_batch}"
+        )
+        result = run_trial(plan_trial(resolved, plan.probe_dir / name), util, steps, timeout_s)
         if on_trial:
             on_trial(count, result)
         return result
 
     result = bisect(trial, plan.lower, plan.search_upper, resolution, plan.upper, margin)
+    share = sweep_share(plan.estimate.chosen, result) if sweep else None
+    limit = plan.estimate.gpu_gib * (1 - LAYOUT_HEADROOM)
+    swept = None if share is None else run_sweep(lambda c: trial(share, c), plan.sweep_configs(), limit, share)
     best, choice, sleep = result.best_trial(), plan.resolved.layout_choice, plan.resolved.sleep_choice
     share = plan.resolved.recipe.generation.vllm_gpu_memory_utilization
     peak = peak_at_share(best.peaks, best.util, share, plan.estimate_at) if best is not None else None
@@ -304,7 +351,7 @@ def measure(
         else None
     )
     sleep_check = check(sleep.confirm(peak)) if sleep is not None and peak is not None else None
-    return Measurement(plan, result, layout_check, sleep_check)
+    return Measurement(plan, result, layout_check, sleep_check, swept)
 
 
 def default_probe_dir(now) -> Path:
