@@ -1,9 +1,14 @@
 """Errors that end a run with a message instead of a traceback. UserError: bad input the user can fix; the CLI prints
-it one line per problem and exits 2. StaleWeightsError: the worker prints it and exits 3."""
+it one line per problem and exits 2. StaleWeightsError: the worker prints it and exits 3. EngineProcessError: the
+worker prints it and exits 1."""
 
 
 class StaleWeightsError(RuntimeError):
     """vLLM is not generating from the trainer's current weights (colocate_rl.rank.vllm_engine's weight check)."""
+
+
+class EngineProcessError(RuntimeError):
+    """The generation engine's own process failed or ended (colocate_rl.rank.engine_process); the message names it."""
 
 
 class UserError(Exception):

@@ -7,10 +7,15 @@ trainer) → `stop`. The trainer calls it through
 `colocate_rl.rank.adapter.trl` (TRL's generation step) and `colocate_rl.rank.evaluation` (held-out evaluation); no
 caller reaches into an engine's internals.
 
+`submit` starts a generation and returns at once where the engine runs elsewhere (its `Pending.result()` waits for
+it), so the trainer can train meanwhile (`generation.overlap`); an engine in the rank's own process generates inside
+`submit`.
+
 Implementations: `colocate_rl.rank.vllm_engine.VLLMEngine` (vLLM in the rank's process, colocate-rl's sleep/wake and
-bucketed push), `colocate_rl.rank.hf_engine.TransformersEngine` (transformers' `generate`, the CPU path) and
-`colocate_rl.rank.hf_engine.TRLEngine` (TRL's own colocated vLLM engine, `generation.engine: trl`). A new backend,
-an engine in its own process or a multi-turn rollout is one more implementation of this class.
+bucketed push), `colocate_rl.rank.hf_engine.TransformersEngine` (transformers' `generate`, the CPU path),
+`colocate_rl.rank.hf_engine.TRLEngine` (TRL's own colocated vLLM engine, `generation.engine: trl`) and
+`colocate_rl.rank.engine_process.ProcessEngine` (either of the first two in a process of its own on the rank's
+device). A new backend or a multi-turn rollout is one more implementation of this class.
 """
 
 from __future__ import annotations
@@ -78,6 +83,18 @@ class Generation:
         return Generation(ids, logprobs)
 
 
+class Pending:
+    """A generation `submit` started: `result()` waits for it (raises what the generation raised)."""
+
+    def __init__(self, result: Callable[[], Generation]):
+        self._result, self._value = result, None
+
+    def result(self) -> Generation:
+        if self._value is None:
+            self._value = self._result()
+        return self._value
+
+
 Phase = Callable[[str], AbstractContextManager]
 
 
@@ -104,6 +121,11 @@ class GenerationEngine(ABC):
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
         """One completion per prompt. A collective: every rank calls it with its own prompts."""
+
+    def submit(self, prompt_ids: list[list[int]], sampling: Sampling) -> Pending:
+        """Start `generate(prompt_ids, sampling)`; the default generates now (an engine in the rank's process)."""
+        out = self.generate(prompt_ids, sampling)
+        return Pending(lambda: out)
 
     def push_weights(self) -> None:
         """Make the next generation sample from the trainer's current weights. Called after each optimizer step."""

@@ -61,25 +61,30 @@ class TransformersEngine(GenerationEngine):
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
         from trl.models import unwrap_model_for_generation
 
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-        device = self.accelerator.device
-        with (
-            unwrap_model_for_generation(
-                self.wrapped_model(),
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as model,
-            torch.no_grad(),
-        ):
-            out = model.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                generation_config=generation_config(self.base_config, sampling),
+        with unwrap_model_for_generation(
+            self.wrapped_model(),
+            self.accelerator,
+            gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+        ) as model:
+            return generate_with(
+                model, prompt_ids, sampling, self.base_config, self.pad_token_id, self.eos_ids, self.accelerator.device
             )
-        return Generation(completion_ids=cut_at_eos(out[:, width:].cpu(), self.eos_ids))
+
+
+def generate_with(model, prompt_ids, sampling: Sampling, base_config, pad_token_id: int, eos_ids, device) -> Generation:
+    """One completion per prompt from transformers' `generate` on `model` (prompts left-padded with
+    `pad_token_id`, each completion cut after its first EOS)."""
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            generation_config=generation_config(base_config, sampling),
+        )
+    return Generation(completion_ids=cut_at_eos(out[:, width:].cpu(), eos_ids))
 
 
 def transformers_engine(trainer) -> TransformersEngine:

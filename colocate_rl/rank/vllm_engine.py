@@ -39,8 +39,19 @@ from colocate_rl.plan.engine_options import EngineOptions
 from colocate_rl.rank.adapter import deepspeed as ds
 from colocate_rl.rank.adapter import vllm as vl
 from colocate_rl.rank.engine import Generation, GenerationEngine, Sampling
-from colocate_rl.rank.weights import check_names, compare_weights, vllm_name, weight_buckets
+from colocate_rl.rank.weights import compare_weights, expected_weights, trainer_buckets, vllm_name
 from colocate_rl.telemetry import events
+
+
+def raise_if_stale(problems: list[str]) -> None:
+    """The weight check's verdict: StaleWeightsError naming each difference, or nothing."""
+    if problems:
+        raise StaleWeightsError(
+            "vLLM is not generating from the trainer's current weights after the weight sync: "
+            + "; ".join(problems)
+            + ". Stopping: training on these samples would optimise a stale policy "
+            "(generation.check_weights: false turns this check off)"
+        )
 
 
 def empty_cache() -> None:
@@ -195,7 +206,7 @@ class VLLMEngine(GenerationEngine):
         accelerator.wait_for_everyone()  # a rank still loading vLLM must not meet another's first collective
 
     def stop(self) -> None:
-        self.llm = None
+        return None  # vLLM is left to the process's exit: tearing it down after sleep mode can crash (vLLM #16993)
 
     # ------------------------------------------------------------------ sleep and wake
 
@@ -222,20 +233,9 @@ class VLLMEngine(GenerationEngine):
 
     def _push(self) -> None:
         """Load the trainer's current weights into vLLM, bucket by bucket."""
-        from accelerate.utils import is_peft_model
-
         engine_model = vl.engine_model(self.llm)
-        if is_peft_model(self.model):  # base + adapter, merged out of place bucket by bucket
-            merge = self._adapter_merge()
-            for bucket in weight_buckets(merge.named_params(), self.options.bucket_bytes):
-                params = [p for _, p in bucket]
-                with self.gather(params + merge.adapter_params(params)):
-                    engine_model.load_weights([(name, merge.value(p)) for name, p in bucket])
-            return
-        named = ((vllm_name(n), p) for n, p in self.model.named_parameters())
-        for bucket in weight_buckets(named, self.options.bucket_bytes):
-            with self.gather([p for _, p in bucket]):
-                engine_model.load_weights([(name, p.data) for name, p in bucket])
+        for bucket in trainer_buckets(self.model, self.options.bucket_bytes, self.gather, self._merge_if_adapted()):
+            engine_model.load_weights(bucket)
 
     def push_weights(self) -> None:
         """Wake vLLM's weights, push the trainer's, check them and reset the prefix cache."""
@@ -250,39 +250,22 @@ class VLLMEngine(GenerationEngine):
             self._weights_valid = True
             self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
-    def _adapter_merge(self):
-        from colocate_rl.rank.adapter.peft import AdapterMerge
+    def _merge_if_adapted(self):
+        """With LoRA: the adapted model as vLLM sees it (`adapter.peft.AdapterMerge`, built once); else None."""
+        from accelerate.utils import is_peft_model
 
-        if self._merge is None:
+        if self._merge is None and is_peft_model(self.model):
+            from colocate_rl.rank.adapter.peft import AdapterMerge
+
             self._merge = AdapterMerge(self.model, vllm_name)
         return self._merge
 
     def check_weights(self) -> None:
-        """Compare a few of vLLM's tensors with the trainer's current ones (gathered under ZeRO-3, independently
-        of the push; with LoRA also the last layer's adapted weights, merged again); raise StaleWeightsError on any
-        difference."""
-        from accelerate.utils import is_peft_model
-
-        peft = is_peft_model(self.model)
-        named = ((vllm_name(n), p) for n, p in self.model.named_parameters())
-        params = dict(self._adapter_merge().named_params() if peft else named)
-        names = check_names(list(params), self.tensor_parallel_size)
-        with self.gather([params[n] for n in names]):
-            trainer = {n: params[n].data.detach().clone() for n in names}
-        if peft:
-            from colocate_rl.rank.adapter.peft import expected_tensors
-
-            merge = self._adapter_merge()
-            trainer.update(expected_tensors(merge, merge.check_targets(self.tensor_parallel_size), self.gather))
-        self.last_check = list(trainer)
-        problems = compare_weights(trainer, dict(vl.engine_model(self.llm).named_parameters()))
-        if problems:
-            raise StaleWeightsError(
-                "vLLM is not generating from the trainer's current weights after the weight sync: "
-                + "; ".join(problems)
-                + ". Stopping: training on these samples would optimise a stale policy "
-                "(generation.check_weights: false turns this check off)"
-            )
+        """Compare a few of vLLM's tensors with the trainer's current ones (`weights.expected_weights`); raise
+        StaleWeightsError on any difference."""
+        expected = expected_weights(self.model, self.gather, self.tensor_parallel_size, self._merge_if_adapted())
+        self.last_check = list(expected)
+        raise_if_stale(compare_weights(expected, dict(vl.engine_model(self.llm).named_parameters())))
 
     # ------------------------------------------------------------------ trainer offload
 

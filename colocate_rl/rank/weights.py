@@ -1,5 +1,6 @@
-"""The weight push's and weight check's pure parts: buckets of parameters by bytes, the names vLLM gives the
-trainer's parameters, which tensors are compared after a push and how. Used by `colocate_rl.rank.vllm_engine`."""
+"""The weight push's and weight check's parts that need no engine: buckets of parameters by bytes, the trainer's
+weights bucket by bucket as an engine loads them, the names vLLM gives the trainer's parameters, which tensors are
+compared after a push and how. Used by `colocate_rl.rank.vllm_engine` and `colocate_rl.rank.engine_process`."""
 
 from __future__ import annotations
 
@@ -28,6 +29,37 @@ def weight_buckets(
         size += nbytes
     if bucket:
         yield bucket
+
+
+def trainer_buckets(model, bucket_bytes: int, gather, merge=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The trainer's weights named as vLLM names them, in buckets of at most `bucket_bytes`, each bucket whole
+    (gathered by `gather(params)` under ZeRO-3) until the consumer asks for the next. With LoRA (`merge`: an
+    `adapter.peft.AdapterMerge`) the base weights with the adapter merged in, out of place."""
+    if merge is not None:
+        for bucket in weight_buckets(merge.named_params(), bucket_bytes):
+            params = [p for _, p in bucket]
+            with gather(params + merge.adapter_params(params)):
+                yield [(name, merge.value(p)) for name, p in bucket]
+        return
+    named = ((vllm_name(n), p) for n, p in model.named_parameters())
+    for bucket in weight_buckets(named, bucket_bytes):
+        with gather([p for _, p in bucket]):
+            yield [(name, p.data) for name, p in bucket]
+
+
+def expected_weights(model, gather, tensor_parallel_size: int, merge=None) -> dict[str, torch.Tensor]:
+    """Copies of the trainer's tensors that the weight check compares with the engine's (`check_names`; with LoRA
+    also the last layer's adapted weights, merged again), gathered under ZeRO-3 independently of the push."""
+    named = ((vllm_name(n), p) for n, p in model.named_parameters())
+    params = dict(merge.named_params() if merge is not None else named)
+    names = check_names(list(params), tensor_parallel_size)
+    with gather([params[n] for n in names]):
+        expected = {n: params[n].data.detach().clone() for n in names}
+    if merge is not None:
+        from colocate_rl.rank.adapter.peft import expected_tensors
+
+        expected.update(expected_tensors(merge, merge.check_targets(tensor_parallel_size), gather))
+    return expected
 
 
 def vllm_name(name: str) -> str:

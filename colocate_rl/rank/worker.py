@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from colocate_rl.errors import StaleWeightsError, UserError
+from colocate_rl.errors import EngineProcessError, StaleWeightsError, UserError
 from colocate_rl.plan.launch_spec import LaunchSpec
 from colocate_rl.rundir import CHECKPOINT_COMPLETE, RunDir, read_jsonl
 from colocate_rl.telemetry import events
@@ -284,7 +284,10 @@ def run(run_dir: Path) -> None:
         if trainer.is_world_process_zero():
             step = int(Path(resume_from).name.rpartition("-")[2])
             events.emit(run_dir, events.RESUMED, step=step, checkpoint=resume_from)
-    trainer.train(resume_from_checkpoint=resume_from)
+    try:
+        trainer.train(resume_from_checkpoint=resume_from)
+    finally:
+        trainer.engine.stop()  # an engine process (and a generation it still runs for overlap) ends here
     if checkpoints.stopped_at is not None:  # a stop request: the checkpoint is the result, no final model
         if trainer.is_world_process_zero():
             saved = paths.checkpoints / f"checkpoint-{checkpoints.stopped_at}"
@@ -352,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {e}\n")
         sys.stderr.flush()
         return 3
+    except EngineProcessError as e:  # colocate_rl.rank.engine_process: the engine's own process failed or ended
+        events.emit(run_dir, events.ENGINE_FAILED, message=str(e))
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
+        return 1
     return 0
 
 

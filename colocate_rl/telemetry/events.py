@@ -6,6 +6,7 @@ event (lines of different ranks do not interleave). Kinds and their fields:
 
 - `user_error`: `lines` — a UserError a rank stopped on (e.g. the nodes run different recipes); exit code 2.
 - `stale_weights`: `message` — vLLM was not generating from the trainer's current weights; exit code 3.
+- `engine_failed`: `message` — the generation engine's own process failed or ended (`generation.engine_process`).
 - `engine_memory`: `awake_gib`, `asleep_gib` (None with sleep level 0), `sleep_level`, `config` — the GPU memory the
   colocated vLLM engine took at start-up by the driver's count, and the engine settings vLLM built.
 - `checkpoint`: `step`, `path` — rank 0, once every rank saved a checkpoint (it is complete).
@@ -27,6 +28,7 @@ from colocate_rl.rundir import RunDir, read_jsonl
 
 USER_ERROR = "user_error"
 STALE_WEIGHTS = "stale_weights"
+ENGINE_FAILED = "engine_failed"
 ENGINE_MEMORY = "engine_memory"
 CHECKPOINT = "checkpoint"
 STOPPED = "stopped"
@@ -59,11 +61,12 @@ def read_events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
 
 
 def user_errors(run_dir: Path) -> list[str]:
-    """The error lines the ranks stopped on (user errors and stale weights), each once, in order."""
+    """The error lines the ranks stopped on (user errors, stale weights, a failed engine process), each once, in
+    order."""
     lines: list[str] = []
     for event in read_events(run_dir):
         if event.get("kind") == USER_ERROR:
             lines += [str(line) for line in event.get("lines") or []]
-        elif event.get("kind") == STALE_WEIGHTS:
+        elif event.get("kind") in (STALE_WEIGHTS, ENGINE_FAILED):
             lines.append(str(event.get("message", "")))
     return list(dict.fromkeys(line for line in lines if line))

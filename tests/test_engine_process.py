@@ -1,0 +1,142 @@
+"""The generation engine in a process of its own (colocate_rl/rank/engine_process.py), on CPU.
+
+Everything here is real: a spawned child process running transformers on its own copy of a tiny model, the pipe,
+weights staged in shared memory (on a GPU it is a CUDA IPC handle instead; the GPU tests run that path with vLLM).
+"""
+
+import contextlib
+import os
+import signal
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from colocate_rl.errors import EngineProcessError, StaleWeightsError, UserError
+from colocate_rl.rank import engine_process as P
+from colocate_rl.rank.engine import Sampling
+from colocate_rl.rank.hf_engine import generate_with
+
+from test_engine import tiny_model
+
+GREEDY = Sampling(max_tokens=6, temperature=0.0)
+PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10]]
+EOS = 63
+
+
+def config() -> GenerationConfig:
+    return GenerationConfig(eos_token_id=EOS, pad_token_id=0)
+
+
+def spec(path, **changes):
+    return {
+        "kind": "transformers",
+        "model_path": str(path),
+        "dtype": "float32",
+        "device": "cpu",
+        "generation_config": config(),
+        "pad_token_id": 0,
+        "max_batch": None,
+        **changes,
+    }
+
+
+def here(model, prompts=PROMPTS):
+    """What the rank's own model generates (greedy)."""
+    return generate_with(model, prompts, GREEDY, config(), 0, [EOS], "cpu").completion_ids
+
+
+def no_gather(params):
+    return contextlib.nullcontext()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model(seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def engine(saved):
+    model = tiny_model(seed=0)
+    eng = P.ProcessEngine(spec(saved), model, no_gather, bucket_bytes=4096, check_weights=True, device="cpu")
+    eng.start()
+    yield eng, model
+    eng.stop()
+
+
+def test_staging_places_tensors_aligned_and_the_child_views_them_without_a_copy():
+    buffer = torch.zeros(4096, dtype=torch.uint8)
+    tensors = [("a", torch.arange(5, dtype=torch.float32)), ("b", torch.ones(2, 3, dtype=torch.bfloat16))]
+    specs = P.stage(buffer, tensors)
+    assert specs == [("a", "float32", (5,), 0), ("b", "bfloat16", (2, 3), 256)]
+    views = P.staged(buffer, specs)
+    assert all(torch.equal(v, t) for (_, v), (_, t) in zip(views, tensors))
+    buffer[256:258].zero_()  # a view, not a copy
+    assert views[1][1][0, 0].item() == 0
+    with pytest.raises(ValueError, match="cannot hold big"):
+        P.stage(torch.zeros(16, dtype=torch.uint8), [("big", torch.zeros(8))])
+    groups = P.fitting([("x", torch.zeros(100)), ("y", torch.zeros(100)), ("z", torch.zeros(10))], 800)
+    assert [[n for n, _ in g] for g in groups] == [["x"], ["y", "z"]]
+
+
+def test_the_staging_buffer_holds_the_largest_bucket():
+    model = tiny_model()
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    assert P.staging_bytes(model.named_parameters(), 1) == max(P._aligned(s) for s in sizes)  # one tensor a bucket
+    assert P.staging_bytes(model.named_parameters(), 2**30) == sum(P._aligned(s) for s in sizes)  # one bucket
+
+
+def test_the_engine_process_generates_what_the_rank_would_and_takes_every_push(engine):
+    eng, model = engine
+    assert eng.process.is_alive() and eng.process.pid != os.getpid()
+    assert eng.generate(PROMPTS, GREEDY).completion_ids == here(model)
+    with torch.no_grad():  # an optimizer step, as far as the engine can tell
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    assert here(model) != here(tiny_model(seed=0)), "the change must change greedy completions for this test"
+    eng.push_weights()  # several buckets of 4 KiB through the staging buffer, then the weight check
+    assert eng.last_check and "model.norm.weight" in eng.last_check
+    assert eng.generate(PROMPTS, GREEDY).completion_ids == here(model)
+    # submit returns a pending generation; answers come back by id, whichever is waited for first
+    first, second = eng.submit(PROMPTS[:1], GREEDY), eng.submit(PROMPTS[1:], GREEDY)
+    assert second.result().completion_ids == here(model, PROMPTS[1:])
+    assert first.result().completion_ids == here(model, PROMPTS[:1])
+    with eng.hold():
+        assert len(eng.generate(PROMPTS, GREEDY).completion_ids) == 3
+
+
+def test_weights_changed_without_a_push_fail_the_check(engine):
+    eng, model = engine
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    with pytest.raises(StaleWeightsError, match=r"model.norm.weight differs \(max abs difference 1\)"):
+        eng.check_weights()
+
+
+def test_an_error_in_the_engine_process_is_one_line_and_it_keeps_serving(engine):
+    eng, model = engine
+    with pytest.raises(EngineProcessError, match="the generation engine process failed: IndexError"):
+        eng.generate([[10_000]], GREEDY)  # not in the vocabulary
+    assert eng.generate(PROMPTS, GREEDY).completion_ids == here(model)
+
+
+def test_a_dead_engine_process_ends_the_call_with_its_exit_code(engine):
+    eng, _ = engine
+    pending = eng.submit(PROMPTS, Sampling(max_tokens=6, temperature=0.0))
+    pending.result()
+    os.kill(eng.process.pid, signal.SIGKILL)
+    eng.process.join(timeout=10)
+    with pytest.raises(EngineProcessError, match=r"engine process \(pid \d+\) ended with exit code -9"):
+        eng.generate(PROMPTS, GREEDY)
+
+
+def test_an_engine_process_that_cannot_start_says_why(tmp_path):
+    eng = P.ProcessEngine(
+        spec(tmp_path / "missing"), tiny_model(), no_gather, bucket_bytes=4096, check_weights=True, device="cpu"
+    )
+    with pytest.raises(UserError, match="generation.engine_process: the engine process did not start .*missing"):
+        eng.start()
+    eng.stop()
+    assert eng.process is None
