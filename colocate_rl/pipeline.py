@@ -45,15 +45,19 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
     auto by the memory estimate: the layout (the fastest that fits, estimated with vLLM asleep), then
     `generation.sleep_level` for that layout (0 when trainer and vLLM fit together, else 2), then
     `trainer.micro_batch_size` (the largest that fits at that level; nothing to choose when the step is one
-    micro-batch); the resolved recipe holds the sleep level and micro-batch chosen, `recorded_recipe()` every value.
+    micro-batch); `generation.overlap: auto` after the sleep level (one_step when vLLM stays awake and nothing rules
+    it out; one_step itself makes `sleep_level: auto` 0); the resolved recipe holds the sleep level, overlap and
+    micro-batch chosen, `recorded_recipe()` every value.
     Raise one UserError listing every problem."""
     from colocate_rl.memory.autolayout import choose_layout, choose_sleep_level, with_sleep_level
     from colocate_rl.memory.micro_batch import choose_micro_batch, with_micro_batch
+    from colocate_rl.plan.overlap import choose_overlap
 
     pre = pre if pre is not None else preflight(recipe)
     auto_sleep = recipe.generation.sleep_level == "auto"
-    if auto_sleep:
-        recipe = with_sleep_level(recipe, 2)
+    overlap = recipe.generation.overlap
+    if auto_sleep:  # one_step keeps vLLM awake: 0, decided by the recipe rather than by memory
+        recipe = with_sleep_level(recipe, 0 if overlap == "one_step" else 2)
     if isinstance(recipe.trainer.micro_batch_size, int):
         recipe = with_micro_batch(recipe, recipe.trainer.micro_batch_size)
     resolved = bind_to_host(recipe, host, pre)
@@ -78,9 +82,15 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
             gradient_checkpointing=choice.gradient_checkpointing,
             layout_choice=choice,
         )
-    if auto_sleep:
+    if auto_sleep and overlap != "one_step":
         sleep = choose_sleep_level(resolved, gpu_gib)
         resolved = replace(resolved, recipe=with_sleep_level(resolved.recipe, sleep.level), sleep_choice=sleep)
+    if overlap == "auto":
+        choice = choose_overlap(resolved.recipe, resolved.backend, auto_sleep)
+        gen = resolved.recipe.generation.model_copy(update={"overlap": "one_step" if choice.on else "off"})
+        resolved = replace(
+            resolved, recipe=resolved.recipe.model_copy(update={"generation": gen}), overlap_choice=choice
+        )
     if recipe.trainer.micro_batch_size == "auto":
         micro = choose_micro_batch(resolved, gpu_gib)  # None: the step is one micro-batch already
         size = micro.size if micro is not None else trainer.per_device_train_batch_size
@@ -263,6 +273,7 @@ def _earlier_version_values(recipe: Recipe, spec: LaunchSpec, deepspeed: dict[st
         "generation.backend": spec.backend,
         "trainer.gradient_checkpointing": bool(args.get("gradient_checkpointing")),
         "distributed.zero_stage": zero.stage,
+        "generation.engine_process": spec.engine_process,  # False before it existed
     }
     out = {key: value for key, value in known.items() if key in auto_keys(recipe)}
     if "distributed.zero_stage" in out:

@@ -10,14 +10,14 @@ import signal
 
 import pytest
 import torch
+from test_engine import tiny_model
 from transformers import GenerationConfig
 
 from colocate_rl.errors import EngineProcessError, StaleWeightsError, UserError
 from colocate_rl.rank import engine_process as P
+from colocate_rl.rank import weights as W
 from colocate_rl.rank.engine import Sampling
 from colocate_rl.rank.hf_engine import generate_with
-
-from test_engine import tiny_model
 
 GREEDY = Sampling(max_tokens=6, temperature=0.0)
 PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10]]
@@ -69,23 +69,23 @@ def engine(saved):
 def test_staging_places_tensors_aligned_and_the_child_views_them_without_a_copy():
     buffer = torch.zeros(4096, dtype=torch.uint8)
     tensors = [("a", torch.arange(5, dtype=torch.float32)), ("b", torch.ones(2, 3, dtype=torch.bfloat16))]
-    specs = P.stage(buffer, tensors)
+    specs = W.stage(buffer, tensors)
     assert specs == [("a", "float32", (5,), 0), ("b", "bfloat16", (2, 3), 256)]
-    views = P.staged(buffer, specs)
+    views = W.staged(buffer, specs)
     assert all(torch.equal(v, t) for (_, v), (_, t) in zip(views, tensors))
     buffer[256:258].zero_()  # a view, not a copy
     assert views[1][1][0, 0].item() == 0
     with pytest.raises(ValueError, match="cannot hold big"):
-        P.stage(torch.zeros(16, dtype=torch.uint8), [("big", torch.zeros(8))])
-    groups = P.fitting([("x", torch.zeros(100)), ("y", torch.zeros(100)), ("z", torch.zeros(10))], 800)
+        W.stage(torch.zeros(16, dtype=torch.uint8), [("big", torch.zeros(8))])
+    groups = W.fitting([("x", torch.zeros(100)), ("y", torch.zeros(100)), ("z", torch.zeros(10))], 800)
     assert [[n for n, _ in g] for g in groups] == [["x"], ["y", "z"]]
 
 
 def test_the_staging_buffer_holds_the_largest_bucket():
     model = tiny_model()
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
-    assert P.staging_bytes(model.named_parameters(), 1) == max(P._aligned(s) for s in sizes)  # one tensor a bucket
-    assert P.staging_bytes(model.named_parameters(), 2**30) == sum(P._aligned(s) for s in sizes)  # one bucket
+    assert W.staging_bytes(model.named_parameters(), 1) == max(W.aligned(s) for s in sizes)  # one tensor a bucket
+    assert W.staging_bytes(model.named_parameters(), 2**30) == sum(W.aligned(s) for s in sizes)  # one bucket
 
 
 def test_the_engine_process_generates_what_the_rank_would_and_takes_every_push(engine):

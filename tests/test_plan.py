@@ -275,7 +275,12 @@ def test_resume_of_a_run_dir_written_before_every_value_was_recorded(tmp_path):
     written = started.recipe.model_copy(
         update={"output": started.recipe.output.model_copy(update={"run_dir": str(run_dir)})}
     )
-    assert set(auto_keys(written)) == set(AUTO_KEYS) - {"generation.sleep_level", "trainer.micro_batch_size"}
+    # sleep level and micro-batch: resolved into the recipe; overlap: off by default (auto only when asked)
+    assert set(auto_keys(written)) == set(AUTO_KEYS) - {
+        "generation.sleep_level",
+        "trainer.micro_batch_size",
+        "generation.overlap",
+    }
     (run_dir / "recipe.yaml").write_text(dump_recipe(written))
     launch = json.loads(plan.files["launch.json"])
     earlier = {k: v for k, v in launch.items() if k not in ("builtin_model", "model_dtype", "held_out_rows")}

@@ -238,10 +238,14 @@ def test_measuring_probe_pins_and_checks_the_level(tmp_path, monkeypatch):
 
     def fake(training_gib):
         def run_trial(trial_plan, util, steps, timeout_s):
-            levels.append(yaml.safe_load(trial_plan.files["recipe.yaml"])["generation"]["sleep_level"])
+            level = yaml.safe_load(trial_plan.files["recipe.yaml"])["generation"]["sleep_level"]
+            levels.append(level)
             ok = util <= 0.6
             peaks = {"generation": 10 + util * H200_GIB, "training": training_gib + util * H200_GIB}
-            return TrialResult(util, "ok" if ok else "out of memory", 1.0, steps if ok else 0, "x", peaks=peaks)
+            s = (1.0 if level == 0 else 1.2) if ok else None
+            return TrialResult(
+                util, "ok" if ok else "out of memory", 1.0, steps if ok else 0, "x", peaks=peaks, s_per_step=s
+            )
 
         return run_trial
 
@@ -250,7 +254,7 @@ def test_measuring_probe_pins_and_checks_the_level(tmp_path, monkeypatch):
     args = ["mem-probe", str(recipe), "--steps", "2", "--probe-dir", str(tmp_path / "probe"), "--write", str(out)]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert set(levels) == {0}
+    assert set(levels[:-2]) == {0} and levels[-2:] == [0, 2]  # the bisection at auto's level, then the sweep of both
     assert "every trial trains with what auto chose at the recipe's share (sleep level 0): --set " in result.stdout
     assert "sleep level (auto): sleep level 0 confirmed: measured peak 55.10 GiB" in result.stdout
     assert "sleep_level: 0" in out.read_text()

@@ -356,11 +356,8 @@ def recommendation_line(measured, sets: dict[str, Any], steps: int, margin: floa
         why = f"the largest passing share less the margin {margin:g} (below the estimate's {measured.plan.estimate.chosen:g})"
     elif sweep.share > measured.plan.estimate.chosen:
         why = "the smallest share that completed (the estimate's had too little KV cache)"
-    return (
-        f"recommended: {given} — {best.trial.s_per_step:.2f} s/step"
-        + (f", the fastest of {n} configurations timed" if n > 1 else ", measured")
-        + f" at share {sweep.share:g}, {why} ({largest}; a larger share buys nothing)"
-    )
+    timed = f"the fastest of {n} configurations timed" if n > 1 else "measured"
+    return f"recommended: {given} — {best.trial.s_per_step:.2f} s/step, {timed} at share {sweep.share:g}, {why} ({largest}; a larger share buys nothing)"
 
 
 def _print_measurement(measured, recipe_path: Path, gib: float, steps: int, margin: float, json_out: bool) -> None:

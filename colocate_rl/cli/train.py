@@ -61,6 +61,7 @@ def push_line(output) -> str:
 def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "", log: Path | None = None) -> Table:
     """What the run will be, one row per part; the run directory (and its log) last."""
     from colocate_rl.plan.deepspeed import ZeroLayout
+    from colocate_rl.plan.overlap import engine_in_process
 
     r = resolved.recipe
     t = r.trainer
@@ -99,7 +100,10 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "", 
                 + (" (auto)" if resolved.sleep_choice is not None else "")
                 if resolved.backend == "vllm"
                 else ""
-            ),
+            )
+            + (", overlap one_step" if gen.overlap == "one_step" else "")
+            + (" (auto)" if gen.overlap == "one_step" and resolved.overlap_choice is not None else "")
+            + (", engine in its own process" if engine_in_process(r) else ""),
         ),
         (
             "steps",

@@ -18,7 +18,7 @@ from colocate_rl.plan.deepspeed import ZeroLayout
 
 if TYPE_CHECKING:
     from colocate_rl.plan.resolved import Resolved
-    from colocate_rl.recipe.schema import GenerationSection
+    from colocate_rl.recipe.generation import GenerationSection
 
 GIB = 2**30
 # Memory a rank holds besides tensors; how each was measured: docs/benchmarks/README.md, "mem-probe accuracy".
@@ -293,7 +293,7 @@ def _vllm_share(g: GenerationSection, gpu_gib: float, vllm_w: float, kv_gib: flo
     need = vllm_w + kv_gib + VLLM_ALLOWANCE_GIB
     kv_budget: float | None = None
     if g.kv_cache_memory is not None:  # an absolute KV pool instead of util × GPU
-        from colocate_rl.recipe.schema import parse_size
+        from colocate_rl.recipe.values import parse_size
 
         kv_budget = parse_size(g.kv_cache_memory) / GIB
     gib = g.vllm_gpu_memory_utilization * gpu_gib if kv_budget is None else need - kv_gib + kv_budget

@@ -175,6 +175,20 @@ class SleepChoice:
 
 
 @dataclass(frozen=True)
+class OverlapChoice:
+    """What `generation.overlap: auto` chose (one_step when `on`) and why."""
+
+    on: bool
+    reason: str
+
+    def line(self) -> str:
+        return f"generation.overlap auto: {'one_step' if self.on else 'off'} — {self.reason}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"overlap": "one_step" if self.on else "off", "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class MicroBatchChoice:
     """What `trainer.micro_batch_size: auto` chose and why; the estimated peak at that size and the limit it was held
     to (None when nothing was estimated)."""

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from colocate_rl.recipe.schema import GenerationSection
+    from colocate_rl.recipe.generation import GenerationSection
 
 # engine option → the `generation.*` recipe key it comes from
 RECIPE_KEYS = {
@@ -40,7 +40,7 @@ class EngineOptions:
 
     @classmethod
     def from_generation(cls, gen: GenerationSection) -> EngineOptions:
-        from colocate_rl.recipe.schema import parse_size
+        from colocate_rl.recipe.values import parse_size
 
         return cls(
             sleep_level=gen.sleep_level,

@@ -20,6 +20,7 @@ from colocate_rl.plan.engine_options import EngineOptions
 from colocate_rl.plan.evaluation import held_out_rows
 from colocate_rl.plan.identity import NODE_RANK_ENV, RECIPE_HASH_ENV, identity_hash, recipe_identity
 from colocate_rl.plan.launch_spec import LaunchSpec
+from colocate_rl.plan.overlap import engine_in_process
 from colocate_rl.plan.resolved import Resolved
 from colocate_rl.plan.trl_args import trl_args
 from colocate_rl.recipe.load import dump_recipe
@@ -177,6 +178,8 @@ def make_plan(
         builtin_model=resolved.builtin_layout is not None,
         model_dtype=resolved.model_dtype,
         held_out_rows=held_out_rows(recipe),
+        engine_process=engine_in_process(recipe),
+        overlap=recipe.generation.overlap == "one_step",
     )
     if multi_node:
         # Shared by all nodes (each writes the same bytes, the first one wins): no node rank in it.

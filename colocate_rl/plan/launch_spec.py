@@ -28,6 +28,8 @@ class LaunchSpec:
     builtin_model: bool = False  # model_path is the run dir's built-in model (its tokenizer loads the way it was saved)
     model_dtype: str = "float32"  # the weights' dtype: training (TRL's model_init_kwargs) and final/
     held_out_rows: int | None = None  # rows at the end of a data file left to evaluation; None: not recorded
+    engine_process: bool = False  # the generation engine runs in a process of its own (generation.engine_process)
+    overlap: bool = False  # the next step's prompts generate while this step trains (generation.overlap: one_step)
 
     def to_json(self) -> str:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__}

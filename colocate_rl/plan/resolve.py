@@ -16,6 +16,7 @@ from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deeps
 from colocate_rl.plan.engine_options import ENGINE_ONLY_KEYS
 from colocate_rl.plan.evaluation import check_eval_schedule
 from colocate_rl.plan.host import Host
+from colocate_rl.plan.overlap import check_overlap
 from colocate_rl.plan.preflight import Preflight
 from colocate_rl.plan.resolved import Resolved
 from colocate_rl.plan.tools import check_tool_layout
@@ -200,7 +201,7 @@ def bind_to_host(recipe: Recipe, host: Host, pre: Preflight) -> Resolved:
     deepspeed, deepspeed_problems = _deepspeed(recipe, precision)
     problems += backend_problems + precision_problems + _check_batch(recipe, nproc) + _check_nodes(recipe)
     problems += deepspeed_problems + list(pre.problems) + check_eval_schedule(recipe) + list(pre.eval_problems)
-    problems += check_extra_args(recipe)
+    problems += check_extra_args(recipe) + check_overlap(recipe, backend)
     if recipe.distributed.zero_stage != "auto":  # auto: the engine's constraints filter the layout candidates
         problems += check_engine(recipe, deepspeed) + check_tool_layout(recipe, backend, nproc, deepspeed)
     if problems:

@@ -8,9 +8,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from colocate_rl.plan.choices import LayoutChoice, MicroBatchChoice, SleepChoice
+from colocate_rl.plan.choices import LayoutChoice, MicroBatchChoice, OverlapChoice, SleepChoice
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout
 from colocate_rl.plan.host import Host
+from colocate_rl.plan.overlap import engine_in_process
 from colocate_rl.plan.preflight import Preflight
 from colocate_rl.recipe.schema import Recipe
 
@@ -22,6 +23,8 @@ AUTO_KEYS = (
     "model.dtype",
     "generation.backend",
     "generation.sleep_level",
+    "generation.overlap",
+    "generation.engine_process",
     "trainer.gradient_checkpointing",
     "trainer.micro_batch_size",
 )
@@ -65,6 +68,7 @@ class Resolved:
     layout_choice: LayoutChoice | None = None  # what auto chose, when zero_stage or gradient_checkpointing is auto
     sleep_choice: SleepChoice | None = None  # what auto chose, when generation.sleep_level is auto (recipe holds it)
     micro_batch_choice: MicroBatchChoice | None = None  # when trainer.micro_batch_size is auto (recipe holds it)
+    overlap_choice: OverlapChoice | None = None  # when generation.overlap is auto (recipe holds it)
 
     def choice_lines(self) -> list[str]:
         """What each `auto` chose and why, one line each (the layout may take several)."""
@@ -72,6 +76,7 @@ class Resolved:
             (self.layout_choice.lines() if self.layout_choice is not None else [])
             + ([self.sleep_choice.line()] if self.sleep_choice is not None else [])
             + ([self.micro_batch_choice.line()] if self.micro_batch_choice is not None else [])
+            + ([self.overlap_choice.line()] if self.overlap_choice is not None else [])
         )
 
     @property
@@ -84,6 +89,7 @@ class Resolved:
         base when none), the stage and the offload chosen."""
         dist = self.recipe.distributed
         values: dict[str, Any] = {
+            "generation.engine_process": engine_in_process(self.recipe),
             "distributed.nproc_per_node": self.nproc_per_node,
             "distributed.mixed_precision": self.precision,
             "model.dtype": self.model_dtype,

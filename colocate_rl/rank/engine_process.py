@@ -1,9 +1,9 @@
 """A generation engine in a process of its own on the rank's device (`generation.engine_process`), so that the
 trainer can train while it generates (`generation.overlap`).
 
-The rank holds a `ProcessEngine`; a child process (spawned, one per rank, ended with the rank) runs `serve`, which
-holds the real engine: colocate-rl's vLLM engine with a world of its own (`ChildVLLM`) on a GPU, or transformers with
-its own copy of the model (`ChildTransformers`) without vLLM. They talk over one pipe, one command at a time, each
+The rank holds a `ProcessEngine`; a child process (spawned, one per rank, ended with the rank) runs
+`colocate_rl.rank.engine_server.serve`, which holds the real engine: colocate-rl's vLLM engine with a world of its
+own on a GPU, or transformers with its own copy of the model without vLLM. They talk over one pipe, one command at a time, each
 answer tagged with its command's id: `submit` sends a generation and returns at once, `Pending.result()` waits.
 
 Weights do not pass through the host: at start the rank shares one staging buffer (the size of the largest weight
@@ -19,72 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-import sys
-import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from colocate_rl.errors import EngineProcessError, UserError, one_line
+from colocate_rl.errors import EngineProcessError, UserError
 from colocate_rl.rank.engine import Generation, GenerationEngine, Pending, Sampling
-from colocate_rl.rank.weights import compare_weights, expected_weights, full_numel, trainer_buckets, weight_buckets
+from colocate_rl.rank.weights import expected_weights, fitting, stage, staging_bytes, trainer_buckets
 
-ALIGN = 256  # bytes: each staged tensor starts at a multiple (a view of the buffer as any dtype must be aligned)
 POLL_S = 1.0  # how often a rank waiting for its engine process checks that the process is alive
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def staging_bytes(named_params, bucket_bytes: int) -> int:
-    """Bytes of the staging buffer: the largest bucket `trainer_buckets` makes, each tensor aligned."""
-    sizes = [
-        sum(_aligned(full_numel(p) * p.element_size()) for _, p in bucket)
-        for bucket in weight_buckets(named_params, bucket_bytes)
-    ]
-    return max(sizes, default=ALIGN)
-
-
-def stage(buffer: torch.Tensor, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple, int]]:
-    """Copy `tensors` into `buffer` (uint8) one after another; their places as (name, dtype, shape, offset)."""
-    specs, offset = [], 0
-    for name, tensor in tensors:
-        flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        if offset + flat.numel() > buffer.numel():
-            raise ValueError(f"the engine's staging buffer ({buffer.numel()} bytes) cannot hold {name}")
-        buffer[offset : offset + flat.numel()].copy_(flat)
-        specs.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
-        offset = _aligned(offset + flat.numel())
-    if buffer.is_cuda:
-        torch.cuda.synchronize(buffer.device)  # the child reads on its own stream, in its own process
-    return specs
-
-
-def fitting(tensors: list[tuple[str, torch.Tensor]], capacity: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """`tensors` in consecutive groups that `stage` fits into `capacity` bytes each."""
-    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
-    used = 0
-    for name, tensor in tensors:
-        size = _aligned(tensor.numel() * tensor.element_size())
-        if groups[-1] and used + size > capacity:
-            groups.append([])
-            used = 0
-        groups[-1].append((name, tensor))
-        used += size
-    return [g for g in groups if g]
-
-
-def staged(buffer: torch.Tensor, specs: list[tuple[str, str, tuple, int]]) -> list[tuple[str, torch.Tensor]]:
-    """The child's views of what `stage` copied (no copy)."""
-    out = []
-    for name, dtype, shape, offset in specs:
-        dt = getattr(torch, dtype)
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-        out.append((name, buffer[offset : offset + nbytes].view(dt).view(shape)))
-    return out
 
 
 class ProcessEngine(GenerationEngine):
@@ -113,6 +56,8 @@ class ProcessEngine(GenerationEngine):
 
         ctx = mp.get_context("spawn")
         self._conn, child_end = ctx.Pipe()
+        from colocate_rl.rank.engine_server import serve
+
         self.process = ctx.Process(target=serve, args=(child_end, self.spec), daemon=True, name="colocate-rl-engine")
         self.process.start()
         child_end.close()
@@ -246,7 +191,30 @@ class ProcessEngine(GenerationEngine):
 # ---------------------------------------------------------------------------------------------- specs (rank side)
 
 
-def vllm_spec(engine, local_rank: int, run_dir) -> dict[str, Any]:
+def process_engine(trainer, launch, run_dir, seed: int) -> ProcessEngine:
+    """The engine process for a TRL trainer: colocate-rl's vLLM engine as `vllm_engine.from_trainer` builds it for the
+    rank, or transformers without vLLM (weight buckets of 1 GiB, weights checked)."""
+    from colocate_rl.rank.adapter.trl import gather_params
+
+    accelerator = trainer.accelerator
+    if launch.backend == "vllm":
+        from colocate_rl.rank.vllm_engine import from_trainer
+
+        spec = vllm_spec(from_trainer(trainer, launch.engine, run_dir, seed), accelerator.local_process_index)
+        bucket_bytes, check = launch.engine.bucket_bytes, launch.engine.check_weights
+    else:
+        spec, bucket_bytes, check = transformers_spec(trainer, launch.model_dtype), 2**30, True
+    return ProcessEngine(
+        spec,
+        trainer.model,
+        gather_params(accelerator),
+        bucket_bytes=bucket_bytes,
+        check_weights=check,
+        device=accelerator.device,
+    )
+
+
+def vllm_spec(engine, local_rank: int) -> dict[str, Any]:
     """What the child needs to build colocate-rl's vLLM engine as the rank's `engine` (a VLLMEngine, not started)
     would be built: its LLM arguments and options, the rank's seed, the device."""
     return {
@@ -257,6 +225,7 @@ def vllm_spec(engine, local_rank: int, run_dir) -> dict[str, Any]:
         "seed": (engine.seed + engine.accelerator.process_index) % 2**32,
         "local_rank": local_rank,
         "run_dir": None if engine.run_dir is None else str(engine.run_dir),
+        "max_batch": None,
     }
 
 
@@ -273,168 +242,3 @@ def transformers_spec(trainer, dtype: str) -> dict[str, Any]:
         "pad_token_id": tokenizer.pad_token_id,
         "max_batch": args.per_device_train_batch_size * args.steps_per_generation,
     }
-
-
-# ---------------------------------------------------------------------------------------------- the child
-
-
-class ChildTransformers:
-    """transformers' `generate` on the child's own copy of the model (loaded from the trainer's path, then given the
-    trainer's weights by every push)."""
-
-    def __init__(self, spec: dict[str, Any]):
-        from transformers import AutoModelForCausalLM
-
-        self.device = torch.device(spec["device"])
-        self.model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=getattr(torch, spec["dtype"]))
-        self.model.to(self.device).eval()
-        self.params = dict(self.model.named_parameters())
-        self.base_config, self.pad_token_id = spec["generation_config"], spec["pad_token_id"]
-        eos = self.base_config.eos_token_id
-        self.eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        self.max_model_len = getattr(self.model.config, "max_position_embeddings", 2**62)
-        self.weights_valid = True
-
-    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for name, value in tensors:
-                if name not in self.params:
-                    raise KeyError(f"the engine's model has no parameter {name}")
-                self.params[name].copy_(value)
-
-    def compare(self, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
-        return compare_weights(dict(tensors), self.params)
-
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
-        from colocate_rl.rank.hf_engine import generate_with
-
-        return generate_with(
-            self.model, prompt_ids, sampling, self.base_config, self.pad_token_id, self.eos_ids, self.device
-        )
-
-    def begin_push(self) -> None:
-        return None
-
-    def end_push(self) -> None:
-        return None
-
-    def sleep(self) -> None:
-        return None
-
-    def wake(self) -> None:
-        return None
-
-    def hold(self):
-        return contextlib.nullcontext()
-
-
-def child_vllm(spec: dict[str, Any]):
-    """colocate-rl's VLLMEngine in the child: a world of one process (vLLM's external launcher on a free port, the
-    rank's GPU), its weights loaded from the staging buffer instead of a trainer model in the same process."""
-    from types import SimpleNamespace
-
-    from colocate_rl.plan.engine_options import EngineOptions
-    from colocate_rl.rank.adapter import vllm as vl
-    from colocate_rl.rank.vllm_engine import VLLMEngine
-
-    class ChildVLLM(VLLMEngine):
-        def begin_push(self) -> None:
-            if "weights" in self._asleep:
-                self._wake(["weights"])
-
-        def load(self, tensors) -> None:
-            vl.engine_model(self.llm).load_weights(tensors)
-            torch.cuda.synchronize()  # the rank overwrites the buffer once this answer arrives
-
-        def compare(self, tensors) -> list[str]:
-            return compare_weights(dict(tensors), dict(vl.engine_model(self.llm).named_parameters()))
-
-        def end_push(self) -> None:
-            self._weights_valid = True
-            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-
-        @property
-        def weights_valid(self) -> bool:
-            return self._weights_valid
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())  # the rank's own port belongs to the trainer's process group
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    accelerator = SimpleNamespace(
-        process_index=0, local_process_index=spec["local_rank"], num_processes=1, wait_for_everyone=lambda: None
-    )
-    torch.cuda.set_device(spec["local_rank"])
-    engine = ChildVLLM(
-        SimpleNamespace(name_or_path=spec["model_path"]),
-        accelerator,
-        EngineOptions.from_json(spec["options"]),
-        {**spec["llm_args"], "tensor_parallel_size": 1},
-        lambda params: contextlib.nullcontext(),
-        run_dir=None if spec["run_dir"] is None else Path(spec["run_dir"]),
-        seed=spec["seed"],
-    )
-    engine.start()
-    return engine
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _end_with_parent() -> None:
-    """Linux: this process gets SIGTERM when the rank that started it dies."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def serve(conn, spec: dict[str, Any]) -> None:
-    """The engine process: build the engine, then answer commands until `stop` or until the rank goes away."""
-    _end_with_parent()
-    try:
-        engine = child_vllm(spec) if spec["kind"] == "vllm" else ChildTransformers(spec)
-    except BaseException as e:
-        traceback.print_exc()
-        conn.send((-1, "error", one_line(e), False))
-        return
-    conn.send((-1, "ok", {"max_model_len": engine.max_model_len}, engine.weights_valid))
-    buffer, holds = None, []
-    while True:
-        try:
-            op, ident, args = conn.recv()
-        except (EOFError, OSError):
-            return  # the rank is gone
-        try:
-            result = None
-            if op == "stage":
-                buffer = args
-            elif op == "generate":
-                result = engine.generate(*args)
-            elif op == "load":
-                engine.load(staged(buffer, args))
-            elif op == "check":
-                result = engine.compare(staged(buffer, args))
-            elif op in ("begin_push", "end_push", "sleep", "wake"):
-                getattr(engine, op)()
-            elif op == "hold_begin":
-                holds.append(engine.hold())
-                holds[-1].__enter__()
-            elif op == "hold_end":
-                holds.pop().__exit__(None, None, None)
-            elif op == "stop":
-                conn.send((ident, "ok", None, True))
-                return
-            else:
-                raise ValueError(f"unknown command {op!r}")
-            conn.send((ident, "ok", result, engine.weights_valid))
-        except Exception as e:
-            traceback.print_exc()
-            sys.stderr.flush()
-            conn.send((ident, "error", one_line(e), False))

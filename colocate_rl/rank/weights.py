@@ -100,3 +100,60 @@ def compare_weights(pushed: dict[str, torch.Tensor], engine_params: dict[str, to
             diff = (actual.float() - expected.float()).abs().max().item()
             problems.append(f"{name} differs (max abs difference {diff:.3g})")
     return problems
+
+
+# ---------------------------------------------------------------------------------------------- staging
+
+ALIGN = 256  # bytes: each staged tensor starts at a multiple (a view of the buffer as any dtype must be aligned)
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def staging_bytes(named_params, bucket_bytes: int) -> int:
+    """Bytes of the staging buffer: the largest bucket `trainer_buckets` makes, each tensor aligned."""
+    sizes = [
+        sum(aligned(full_numel(p) * p.element_size()) for _, p in bucket)
+        for bucket in weight_buckets(named_params, bucket_bytes)
+    ]
+    return max(sizes, default=ALIGN)
+
+
+def stage(buffer: torch.Tensor, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple, int]]:
+    """Copy `tensors` into `buffer` (uint8) one after another; their places as (name, dtype, shape, offset)."""
+    specs, offset = [], 0
+    for name, tensor in tensors:
+        flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        if offset + flat.numel() > buffer.numel():
+            raise ValueError(f"the engine's staging buffer ({buffer.numel()} bytes) cannot hold {name}")
+        buffer[offset : offset + flat.numel()].copy_(flat)
+        specs.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
+        offset = aligned(offset + flat.numel())
+    if buffer.is_cuda:
+        torch.cuda.synchronize(buffer.device)  # the child reads on its own stream, in its own process
+    return specs
+
+
+def fitting(tensors: list[tuple[str, torch.Tensor]], capacity: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """`tensors` in consecutive groups that `stage` fits into `capacity` bytes each."""
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    used = 0
+    for name, tensor in tensors:
+        size = aligned(tensor.numel() * tensor.element_size())
+        if groups[-1] and used + size > capacity:
+            groups.append([])
+            used = 0
+        groups[-1].append((name, tensor))
+        used += size
+    return [g for g in groups if g]
+
+
+def staged(buffer: torch.Tensor, specs: list[tuple[str, str, tuple, int]]) -> list[tuple[str, torch.Tensor]]:
+    """The child's views of what `stage` copied (no copy)."""
+    out = []
+    for name, dtype, shape, offset in specs:
+        dt = getattr(torch, dtype)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+        out.append((name, buffer[offset : offset + nbytes].view(dt).view(shape)))
+    return out

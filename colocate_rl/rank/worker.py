@@ -97,6 +97,10 @@ def telemetry_extras(telemetry):
 
 def engine_factory(launch: LaunchSpec, run_dir: Path, seed: int):
     """`factory(trainer) -> GenerationEngine` for the run's backend, and whether TRL builds its own vLLM engine."""
+    if launch.engine_process:
+        from colocate_rl.rank.engine_process import process_engine
+
+        return (lambda trainer: process_engine(trainer, launch, run_dir, seed)), False
     if launch.backend != "vllm":
         from colocate_rl.rank.hf_engine import transformers_engine
 
@@ -268,6 +272,7 @@ def build_trainer(run_dir: Path):
     if recipe.tools.active:
         trainer.tool_guard = ToolGuard(recipe.tools, telemetry.phase)
     trainer.log_extras = telemetry_extras(telemetry)
+    trainer.overlap = launch.overlap
     return recipe, launch, trainer, checkpoints
 
 

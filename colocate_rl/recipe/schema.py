@@ -15,15 +15,15 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     PositiveFloat,
-    PositiveInt,
     Strict,
     field_validator,
     model_validator,
 )
 
 from colocate_rl import algorithms
+from colocate_rl.recipe.generation import GenerationSection
 from colocate_rl.recipe.tools import ToolsSection
-from colocate_rl.recipe.values import MAX_STEPS, SEED_MAX, Count, Index, check_repo_id, parse_size, some_modules, whole
+from colocate_rl.recipe.values import MAX_STEPS, SEED_MAX, Count, Index, check_repo_id, some_modules, whole
 
 
 class _Section(BaseModel):
@@ -178,81 +178,6 @@ class TrainerSection(_Section):
                 f"{self.gradient_accumulation_steps}); pick a divisor of {step}"
             )
         return self
-
-
-class GenerationSection(_Section):
-    """How completions are generated."""
-
-    backend: Literal["auto", "vllm", "transformers"] = Field(
-        "auto", description="auto = colocated vLLM when a GPU and vLLM are present, else transformers."
-    )
-    vllm_gpu_memory_utilization: float = Field(
-        0.3, gt=0, le=1, description="Share of each GPU's memory vLLM may take (weights + KV cache)."
-    )
-    tensor_parallel_size: Count = Field(
-        1, description="vLLM tensor-parallel group size (contiguous ranks of one node; divides nproc_per_node)."
-    )
-    max_model_length: Count | None = Field(None, description="vLLM context length (prompt + completion).")
-    engine: Literal["colocate-rl", "trl"] = Field(
-        "colocate-rl",
-        description="Who drives the colocated vLLM engine: colocate-rl's own cycle (engine options, sleep levels, "
-        "bucketed weight sync, trainer offload, weight check) or TRL's built-in one (for comparison).",
-    )
-    sleep_level: Literal[0, 1, 2, "auto"] = Field(
-        "auto",
-        description="vLLM sleep mode while the trainer runs: 0 = off (vLLM keeps its memory), 1 = weights "
-        "copied to CPU and KV cache freed, 2 = weights and KV cache freed (the trainer's weights are pushed "
-        "after every wake); auto = 0 when the memory estimate has trainer and vLLM fit together with the margin "
-        "`zero_stage: auto` keeps, else 2 (also when there is no GPU memory to compare with). The engine `trl` "
-        "supports only 0 and 2.",
-    )
-    kv_cache_memory: PositiveInt | str | None = Field(
-        None,
-        description="Absolute KV-cache budget per GPU, bytes or a size such as `12GiB`, instead of sizing it "
-        "from vllm_gpu_memory_utilization (engine colocate-rl).",
-    )
-
-    @field_validator("kv_cache_memory", mode="before")
-    @classmethod
-    def _size(cls, value):
-        if value is not None:
-            parse_size(value)
-        return value
-
-    _sleep_level_whole = field_validator("sleep_level", mode="before")(whole)
-
-    enforce_eager: bool = Field(
-        False,
-        description="Run vLLM without CUDA graphs/torch.compile (faster start, slower decode; engine colocate-rl).",
-    )
-    max_num_seqs: Count | None = Field(
-        None,
-        description="vLLM's concurrent sequences; null = the rank's share of one generation batch "
-        "(per_device_train_batch_size × tensor_parallel_size × steps per generation).",
-    )
-    max_num_batched_tokens: Count = Field(
-        4096, description="vLLM's tokens per scheduler step (engine colocate-rl; TRL's engine fixes 4096)."
-    )
-    enable_prefix_caching: bool = Field(
-        True,
-        description="Reuse the KV cache of shared prompt prefixes (the "
-        "num_generations copies of a prompt); engine colocate-rl.",
-    )
-    weight_sync_bucket_mb: Count = Field(
-        1024,
-        description="Bytes per weight-sync bucket, MiB: parameters gathered in one collective and loaded "
-        "into vLLM in one call (bounds the sync's extra memory); engine colocate-rl.",
-    )
-    offload_trainer_during_generation: bool = Field(
-        False,
-        description="Move the DeepSpeed optimizer states (and fp32 master weights and gradients) to CPU "
-        "while vLLM generates, so its KV cache can be larger; needs distributed.deepspeed; engine colocate-rl.",
-    )
-    check_weights: bool = Field(
-        True,
-        description="After each weight sync, compare a few of vLLM's tensors with the trainer's and stop "
-        "the run if vLLM is not generating from the trainer's current weights; engine colocate-rl.",
-    )
 
 
 class EvalSection(_Section):

@@ -24,6 +24,12 @@ CALLED = {
     "_tokenize_prompts": ["self", "prompts"],  # evaluation: TRL's chat template and tokenisation of prompts
     "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],  # evaluation, timed
     "_generate_and_score_completions": None,  # timed as the "prepare" phase (any parameters)
+    "get_batch_samples": [
+        "self",
+        "epoch_iterator",
+        "num_batches",
+        "device",
+    ],  # transformers' loop: overlap's look-ahead
 }
 # GRPOTrainer's multi-turn path (tools, environments), with what colocate-rl relies on: `_generate(prompts)` runs one
 # batch of episodes (first turn, then `_tool_call_loop`, whose turns call `_generate_single_turn` too) and returns
@@ -108,6 +114,10 @@ class _EngineHooks:
     tool_guard = None  # colocate_rl.rank.tools.ToolGuard, set by the worker for recipes with tools
     sampling_override: Sampling | None = None  # the evaluation's sampling while it runs episodes
     turns = 0  # prompts generated since the batch of episodes began (first turns and tool turns)
+    overlap = False  # generation.overlap one_step: the next step's generation batch generates while this one trains
+    _ahead: list | None = None  # overlap: batches taken from the epoch's iterator ahead of their step
+    _ahead_of = None  # the iterator they came from
+    _pending = None  # overlap: (prompt ids, sampling, Pending) of the next step's generation batch
 
     def __init__(self, *args: Any, engine_factory, trl_builds_vllm: bool = False, **kwargs: Any):
         config = kwargs["args"]
@@ -127,12 +137,35 @@ class _EngineHooks:
         self._pushed_step = -1
         self.engine.start()
 
+    def _push_if_stale(self) -> None:
+        if self.state.global_step != self._pushed_step:
+            self.engine.push_weights()
+            self._pushed_step = self.state.global_step
+
+    def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
+        """Overlap: this step's batches, with the next step's taken from the iterator too (`_ahead`), so that its
+        prompts can generate while this step trains (relied on: transformers' training loop takes each optimizer
+        step's batches with this method, TRL's generation batch being the step's first)."""
+        if not self.overlap:
+            return super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+        if self._ahead_of is not epoch_iterator:  # a new epoch (or the first step): nothing taken ahead from it
+            self._ahead, self._ahead_of = [], epoch_iterator
+        while len(self._ahead) < 2 * num_batches:
+            try:
+                self._ahead.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        batches, self._ahead = self._ahead[:num_batches], self._ahead[num_batches:]
+        return super().get_batch_samples(iter(batches), num_batches, *args, **kwargs)
+
     def generate_completions(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
-        """One completion per prompt from the engine, the trainer's weights pushed first when a step changed them."""
+        """One completion per prompt from the engine, the trainer's weights pushed first when a step changed them.
+        With overlap, a training batch is taken from the generation started one step earlier when it is for these
+        prompts (else generated now), then the next step's batch is started from the current weights."""
+        if self.overlap and self.model.training:
+            return self._overlapped(prompt_ids, sampling)
         with self.phase("generate"):
-            if self.state.global_step != self._pushed_step:
-                self.engine.push_weights()
-                self._pushed_step = self.state.global_step
+            self._push_if_stale()
             out = Generation([], [] if self.engine.returns_logprobs else None)
             step = self.engine.max_batch or max(len(prompt_ids), 1)
             for i in range(0, len(prompt_ids), step):
@@ -140,6 +173,23 @@ class _EngineHooks:
                 out.completion_ids += part.completion_ids
                 out.logprobs = None if out.logprobs is None or part.logprobs is None else out.logprobs + part.logprobs
             return out
+
+    def _overlapped(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
+        pending, self._pending = self._pending, None
+        with self.phase("generate"):
+            if pending is not None and pending[0] == prompt_ids and pending[1] == sampling:
+                out, ahead = pending[2].result(), 1.0
+            else:  # the first step, a resumed run, a batch other than the one taken ahead: generate now
+                if pending is not None:
+                    pending[2].result()  # the engine answers in order: collect and drop it
+                self._push_if_stale()
+                out, ahead = self.engine.generate(prompt_ids, sampling), 0.0
+            self._push_if_stale()
+            if self._ahead:
+                next_ids = tokenize_prompts(self, [row["prompt"] for row in self._ahead[0]])
+                self._pending = (next_ids, sampling, self.engine.submit(next_ids, sampling))
+        self._metrics["train"]["overlap/ahead"].append(ahead)
+        return out
 
     def _engine_generate(self, prompt_ids, images, multimodal_fields, logprobs: bool = True) -> Generation:
         if images is not None and any(i is not None for i in images) or multimodal_fields:

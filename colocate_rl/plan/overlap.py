@@ -1,0 +1,85 @@
+"""`generation.overlap` and `generation.engine_process`: what rules one-step overlap out, what explicit settings
+cannot run together, and what `overlap: auto` decides once the sleep level is known. Torch-free; reads nothing."""
+
+from __future__ import annotations
+
+from colocate_rl.plan.choices import OverlapChoice
+from colocate_rl.recipe.schema import Recipe
+
+
+def overlap_blockers(recipe: Recipe, backend: str) -> list[str]:
+    """Why one-step overlap cannot run `recipe` (each names the key), [] when it can. The sleep level is not among
+    them: `sleep_level: auto` resolves to 0 under overlap; an explicit 1 or 2 is `check_overlap`'s."""
+    gen, extra, reasons = recipe.generation, recipe.trainer.extra_args, []
+    if gen.engine == "trl":
+        reasons.append("generation.engine: trl (TRL's engine generates inside the rank, in turn with training)")
+    if recipe.tools.active:
+        reasons.append("tools (multi-turn episodes take turns with the tools, not with training)")
+    if gen.offload_trainer_during_generation:
+        reasons.append("generation.offload_trainer_during_generation (the trainer's states are needed while it trains)")
+    if gen.tensor_parallel_size > 1:
+        reasons.append("generation.tensor_parallel_size > 1 (an engine process generates on its own rank's GPU)")
+    if extra.get("num_iterations", 1) != 1:
+        reasons.append("trainer.extra_args.num_iterations other than 1 (a generation batch trained on more than once)")
+    for key in ("steps_per_generation", "generation_batch_size"):
+        if key in extra:
+            reasons.append(f"trainer.extra_args.{key} (overlap generates one optimizer step's batch at a time)")
+    if backend == "vllm" and extra.get("vllm_importance_sampling_correction") is False:
+        reasons.append("trainer.extra_args.vllm_importance_sampling_correction: false (one-step-old samples need it)")
+    return reasons
+
+
+def check_overlap(recipe: Recipe, backend: str) -> list[str]:
+    """Explicit settings of `generation.overlap` and `generation.engine_process` that cannot run, one line each."""
+    gen, problems = recipe.generation, []
+    if gen.overlap == "one_step":
+        fix = "set generation.overlap: off"
+        problems += [
+            f"generation.overlap: one_step cannot run with {r}; {fix}" for r in overlap_blockers(recipe, backend)
+        ]
+        if backend == "vllm" and gen.sleep_level in (1, 2):
+            problems.append(
+                f"generation.overlap: one_step keeps vLLM awake while the trainer trains, but generation.sleep_level "
+                f"is {gen.sleep_level}; set generation.sleep_level: 0 (or auto), or {fix}"
+            )
+        if gen.engine_process is False:
+            problems.append(
+                "generation.overlap: one_step needs the engine in its own process; set generation.engine_process: "
+                f"auto (or true), or {fix}"
+            )
+    if gen.engine_process is True:
+        if gen.engine == "trl":
+            problems.append(
+                "generation.engine_process: true runs colocate-rl's engine in its own process; set generation.engine: "
+                "colocate-rl, or generation.engine_process: auto"
+            )
+        if gen.tensor_parallel_size > 1:
+            problems.append(
+                "generation.engine_process: true generates on each rank's own GPU; set generation.tensor_parallel_size: "
+                "1, or generation.engine_process: auto"
+            )
+    return problems
+
+
+def choose_overlap(recipe: Recipe, backend: str, sleep_by_memory: bool) -> OverlapChoice:
+    """`generation.overlap: auto` for `recipe` whose sleep level is decided (`sleep_by_memory`: by `sleep_level:
+    auto`'s estimate): one_step when vLLM stays awake (level 0) and nothing rules overlap out, else off."""
+    blockers = overlap_blockers(recipe, backend)
+    if backend != "vllm":
+        return OverlapChoice(
+            False, f"generation with {backend}: overlap is for vLLM on GPUs (set one_step to force it)"
+        )
+    if blockers:
+        return OverlapChoice(False, "; ".join(blockers))
+    level = recipe.generation.sleep_level
+    if level != 0:
+        why = "trainer and vLLM do not fit awake together" if sleep_by_memory else "the recipe's generation.sleep_level"
+        return OverlapChoice(False, f"vLLM sleeps while training (sleep level {level}: {why})")
+    why = "trainer and vLLM fit awake together" if sleep_by_memory else "the recipe keeps vLLM awake"
+    return OverlapChoice(True, f"{why} (sleep level 0) and nothing rules it out")
+
+
+def engine_in_process(recipe: Recipe) -> bool:
+    """Whether the engine runs in its own process: `engine_process` true, or auto with overlap on."""
+    gen = recipe.generation
+    return gen.engine_process is True or (gen.engine_process == "auto" and gen.overlap == "one_step")

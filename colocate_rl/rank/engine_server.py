@@ -1,0 +1,186 @@
+"""The engine process's side of `colocate_rl.rank.engine_process`: `serve` builds the engine the rank asked for and
+answers its commands one at a time until `stop` or until the rank goes away (the pipe closes; on Linux the process
+also gets SIGTERM when the rank dies). A command that raises is answered with its one-line error and the process
+keeps serving; its traceback goes to the rank's log (this process writes to the rank's stdout and stderr).
+
+Engines: `ChildTransformers` (transformers on its own copy of the model, loaded from the trainer's path) and
+`child_vllm` (colocate-rl's VLLMEngine in a world of one process on the rank's GPU). Both load weights from the
+staging buffer the rank shares (`weights.stage` / `weights.staged`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from colocate_rl.errors import one_line
+from colocate_rl.rank.engine import Generation, Sampling
+from colocate_rl.rank.weights import compare_weights, staged
+
+
+class ChildTransformers:
+    """transformers' `generate` on the child's own copy of the model (loaded from the trainer's path, then given the
+    trainer's weights by every push)."""
+
+    def __init__(self, spec: dict[str, Any]):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(spec["device"])
+        self.model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=getattr(torch, spec["dtype"]))
+        self.model.to(self.device).eval()
+        self.params = dict(self.model.named_parameters())
+        self.base_config, self.pad_token_id = spec["generation_config"], spec["pad_token_id"]
+        eos = self.base_config.eos_token_id
+        self.eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.max_model_len = getattr(self.model.config, "max_position_embeddings", 2**62)
+        self.weights_valid = True
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, value in tensors:
+                if name not in self.params:
+                    raise KeyError(f"the engine's model has no parameter {name}")
+                self.params[name].copy_(value)
+
+    def compare(self, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
+        return compare_weights(dict(tensors), self.params)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
+        from colocate_rl.rank.hf_engine import generate_with
+
+        return generate_with(
+            self.model, prompt_ids, sampling, self.base_config, self.pad_token_id, self.eos_ids, self.device
+        )
+
+    def begin_push(self) -> None:
+        return None
+
+    def end_push(self) -> None:
+        return None
+
+    def sleep(self) -> None:
+        return None
+
+    def wake(self) -> None:
+        return None
+
+    def hold(self):
+        return contextlib.nullcontext()
+
+
+def child_vllm(spec: dict[str, Any]):
+    """colocate-rl's VLLMEngine in the child: a world of one process (vLLM's external launcher on a free port, the
+    rank's GPU), its weights loaded from the staging buffer instead of a trainer model in the same process."""
+    from types import SimpleNamespace
+
+    from colocate_rl.plan.engine_options import EngineOptions
+    from colocate_rl.rank.adapter import vllm as vl
+    from colocate_rl.rank.vllm_engine import VLLMEngine
+
+    class ChildVLLM(VLLMEngine):
+        def begin_push(self) -> None:
+            if "weights" in self._asleep:
+                self._wake(["weights"])
+
+        def load(self, tensors) -> None:
+            vl.engine_model(self.llm).load_weights(tensors)
+            torch.cuda.synchronize()  # the rank overwrites the buffer once this answer arrives
+
+        def compare(self, tensors) -> list[str]:
+            return compare_weights(dict(tensors), dict(vl.engine_model(self.llm).named_parameters()))
+
+        def end_push(self) -> None:
+            self._weights_valid = True
+            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+        @property
+        def weights_valid(self) -> bool:
+            return self._weights_valid
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(_free_port())  # the rank's own port belongs to the trainer's process group
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    accelerator = SimpleNamespace(
+        process_index=0, local_process_index=spec["local_rank"], num_processes=1, wait_for_everyone=lambda: None
+    )
+    torch.cuda.set_device(spec["local_rank"])
+    engine = ChildVLLM(
+        SimpleNamespace(name_or_path=spec["model_path"]),
+        accelerator,
+        EngineOptions.from_json(spec["options"]),
+        {**spec["llm_args"], "tensor_parallel_size": 1},
+        lambda params: contextlib.nullcontext(),
+        run_dir=None if spec["run_dir"] is None else Path(spec["run_dir"]),
+        seed=spec["seed"],
+    )
+    engine.start()
+    return engine
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _end_with_parent() -> None:
+    """Linux: this process gets SIGTERM when the rank that started it dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def serve(conn, spec: dict[str, Any]) -> None:
+    """The engine process: build the engine, then answer commands until `stop` or until the rank goes away."""
+    _end_with_parent()
+    try:
+        engine = child_vllm(spec) if spec["kind"] == "vllm" else ChildTransformers(spec)
+    except BaseException as e:
+        traceback.print_exc()
+        conn.send((-1, "error", one_line(e), False))
+        return
+    conn.send((-1, "ok", {"max_model_len": engine.max_model_len}, engine.weights_valid))
+    buffer, holds = None, []
+    while True:
+        try:
+            op, ident, args = conn.recv()
+        except (EOFError, OSError):
+            return  # the rank is gone
+        try:
+            result = None
+            if op == "stage":
+                buffer = args
+            elif op == "generate":
+                result = engine.generate(*args)
+            elif op == "load":
+                engine.load(staged(buffer, args))
+            elif op == "check":
+                result = engine.compare(staged(buffer, args))
+            elif op in ("begin_push", "end_push", "sleep", "wake"):
+                getattr(engine, op)()
+            elif op == "hold_begin":
+                holds.append(engine.hold())
+                holds[-1].__enter__()
+            elif op == "hold_end":
+                holds.pop().__exit__(None, None, None)
+            elif op == "stop":
+                conn.send((ident, "ok", None, True))
+                return
+            else:
+                raise ValueError(f"unknown command {op!r}")
+            conn.send((ident, "ok", result, engine.weights_valid))
+        except Exception as e:
+            traceback.print_exc()
+            sys.stderr.flush()
+            conn.send((ident, "error", one_line(e), False))
