@@ -839,3 +839,55 @@ def test_trls_environment_example_through_the_engine(tmp_path):
     }
     print(json.dumps(figures))
     (Path(os.environ.get("GPU_FIGURES", tmp_path)) / "increment_env.json").write_text(json.dumps(figures))
+
+
+@pytest.mark.skipif(not (REAL_MODEL and REAL_DATA), reason="needs REAL_MODEL_DIR and REAL_DATA_DIR")
+def test_overlap_on_the_real_model_generates_a_step_ahead_through_the_engine_process(tmp_path):
+    """recipes/smollm2-135m-gsm8k.yaml at 256 completions per step, A-B-A-B: the engine in the rank (overlap off) and
+    in its own process with `generation.overlap: one_step`. With overlap every step after the first takes the batch
+    generated while the step before trained, from weights pushed through the CUDA IPC staging buffer and checked
+    there; TRL's importance-sampling correction logs sampling/*. Prints each run's median s/step and phases."""
+    from colocate_rl.rundir import step_records
+
+    steps = int(os.environ.get("OVERLAP_STEPS", "12"))
+    base = [
+        f"model.name={REAL_MODEL}",
+        f"data.source={REAL_DATA}/gsm_symbolic_train.jsonl",
+        "eval.every_steps=null",
+        "trainer.gradient_accumulation_steps=8",
+        f"trainer.max_steps={steps}",
+        "generation.sleep_level=0",
+    ]
+    figures = []
+    for k, overlap in enumerate(["off", "one_step", "off", "one_step"]):
+        run = tmp_path / f"run{k}-{overlap}"
+        args = ["train", "recipes/smollm2-135m-gsm8k.yaml", "--run-dir", str(run)]
+        for item in [*base, f"generation.overlap={overlap}"]:
+            args += ["--set", item]
+        result = cli(args, ONE)
+        log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
+        assert result.returncode == 0, result.stdout[-3000:] + log[-8000:]
+        rows = step_records(run)
+        assert len(rows) == steps
+        later = rows[2:]
+
+        def median(key, part=later):
+            return round(statistics.median(r.get(key, 0.0) for r in part), 4)
+
+        figures.append(
+            {
+                "run": k + 1,
+                "overlap": overlap,
+                "s_per_step_median": median("time/step_s"),
+                **{p: median(f"time/{p}_s") for p in ("generate", "train", "weight_sync", "prepare", "reward")},
+                "gpu_peak_gib_max": max(r["mem/gpu_peak_gib"] for r in rows),
+                "reward_first_last": [round(rows[0]["reward"], 4), round(rows[-1]["reward"], 4)],
+            }
+        )
+        if overlap == "one_step":
+            assert [r["overlap/ahead"] for r in rows] == [0.0] + [1.0] * (steps - 1)
+            assert all(r.get("time/weight_check_s", 0) > 0 for r in rows)  # every push checked in the engine process
+            assert any(k.startswith("sampling/") for k in rows[-1]), sorted(rows[-1])
+            assert log.count("(vllm) ready; staging buffer") == 1
+    print(json.dumps(figures))
+    (Path(os.environ.get("GPU_FIGURES", tmp_path)) / "overlap.json").write_text(json.dumps(figures))
