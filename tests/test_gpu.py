@@ -859,7 +859,8 @@ def test_overlap_on_the_real_model_generates_a_step_ahead_through_the_engine_pro
         "generation.sleep_level=0",
     ]
     figures = []
-    for k, overlap in enumerate(["off", "one_step", "off", "one_step"]):
+    order = os.environ.get("OVERLAP_ORDER", "off,one_step,off,one_step").split(",")
+    for k, overlap in enumerate(order):
         run = tmp_path / f"run{k}-{overlap}"
         args = ["train", "recipes/smollm2-135m-gsm8k.yaml", "--run-dir", str(run)]
         for item in [*base, f"generation.overlap={overlap}"]:
