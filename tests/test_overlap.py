@@ -183,3 +183,16 @@ def test_a_dead_engine_process_ends_the_run_in_one_line(tmp_path):
     assert proc.returncode != 0
     assert f"the generation engine process (pid {victim.pid}) ended with exit code -9" in out, out[-3000:]
     assert [e["kind"] for e in events.read_events(run_dir, events.ENGINE_FAILED)] == [events.ENGINE_FAILED]
+
+
+def test_the_memory_estimate_counts_the_engine_process():
+    """A second CUDA context and the staging buffer (the whole bf16 0.5B model: smaller than a 1 GiB bucket)."""
+    from colocate_rl.memory.estimate import CUDA_CONTEXT_GIB, estimate
+
+    inside = estimate(on_h200(QWEN05, "generation.sleep_level=0"), H200_GIB)
+    own = estimate(on_h200(QWEN05, "generation.overlap=one_step", "generation.sleep_level=auto"), H200_GIB)
+    term = own.terms["engine process (CUDA context, staging buffer)"]
+    model_gib = 2 * inside.layout.params / 2**30
+    assert term["training"] == pytest.approx(CUDA_CONTEXT_GIB + model_gib) and model_gib < 1
+    assert "engine process (CUDA context, staging buffer)" not in inside.terms
+    assert own.peak()[1] == pytest.approx(inside.peak()[1] + term["training"], abs=0.01)

@@ -15,6 +15,8 @@ from colocate_rl.errors import UserError
 from colocate_rl.memory.reward_models import reward_model_bytes, reward_model_notes
 from colocate_rl.memory.shapes import Layout, layout_for, lora_params
 from colocate_rl.plan.deepspeed import ZeroLayout
+from colocate_rl.plan.overlap import engine_in_process
+from colocate_rl.recipe.values import parse_size
 
 if TYPE_CHECKING:
     from colocate_rl.plan.resolved import Resolved
@@ -293,8 +295,6 @@ def _vllm_share(g: GenerationSection, gpu_gib: float, vllm_w: float, kv_gib: flo
     need = vllm_w + kv_gib + VLLM_ALLOWANCE_GIB
     kv_budget: float | None = None
     if g.kv_cache_memory is not None:  # an absolute KV pool instead of util × GPU
-        from colocate_rl.recipe.values import parse_size
-
         kv_budget = parse_size(g.kv_cache_memory) / GIB
     gib = g.vllm_gpu_memory_utilization * gpu_gib if kv_budget is None else need - kv_gib + kv_budget
     share = (vllm_w, kv_gib, VLLM_ALLOWANCE_GIB, gib - need)
@@ -361,6 +361,14 @@ def _notes(
     return notes
 
 
+def _engine_process(resolved: Resolved, weight_bytes: float) -> Terms:
+    """`generation.engine_process`: a second CUDA context and the push's staging buffer (its largest bucket)."""
+    if not engine_in_process(resolved.recipe):
+        return {}
+    staging = min(resolved.recipe.generation.weight_sync_bucket_mb * 2**20, weight_bytes)
+    return _terms(("engine process (CUDA context, staging buffer)", CUDA_CONTEXT_GIB * GIB + staging, MEMORY_PHASES))
+
+
 def estimate(resolved: Resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Estimate:
     """Memory per GPU and phase for `resolved` (a GPU plan) on GPUs of `gpu_gib` GiB: the terms of the trainer
     (fixed per phase) and of vLLM (its share while awake, the residue while asleep)."""
@@ -379,6 +387,7 @@ def estimate(resolved: Resolved, gpu_gib: float, prompt_tokens: int | None = Non
         **_activations(resolved, lay, kv),
         **_zero3_gathers(resolved, lay, zero),
         **_terms(("reward models", reward_model_bytes(resolved, state.param, zero), MEMORY_PHASES)),
+        **_engine_process(resolved, 2 * n / g.tensor_parallel_size),
     }
     terms.update(_allocator_cache(terms))
     vllm_w = 2 * n / g.tensor_parallel_size / GIB  # bf16, this rank's tensor-parallel part
