@@ -97,6 +97,12 @@ def test_an_engine_process_generates_on_its_own_gpu_only(tmp_path):
         "--set", "generation.tensor_parallel_size=2",
     )  # fmt: skip
     assert_user_error(result, "generation.engine_process: true generates on each rank's own GPU", one_line=True)
+    offload = cli(
+        "validate", recipe, "--gpus", "2", "--set", "generation.engine_process=true",
+        "--set", "generation.offload_trainer_during_generation=true", "--set", "distributed.deepspeed=zero3",
+        "--set", "distributed.zero_stage=2",
+    )  # fmt: skip
+    assert_user_error(offload, "cannot move the trainer's DeepSpeed states from another process", one_line=True)
 
 
 # ---------------------------------------------------------------------------------------------- slow: real runs

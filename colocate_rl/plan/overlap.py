@@ -53,6 +53,11 @@ def check_overlap(recipe: Recipe, backend: str) -> list[str]:
                 "generation.engine_process: true runs colocate-rl's engine in its own process; set generation.engine: "
                 "colocate-rl, or generation.engine_process: auto"
             )
+        if gen.offload_trainer_during_generation:
+            problems.append(
+                "generation.engine_process: true cannot move the trainer's DeepSpeed states from another process; "
+                "turn generation.offload_trainer_during_generation off, or set generation.engine_process: auto"
+            )
         if gen.tensor_parallel_size > 1:
             problems.append(
                 "generation.engine_process: true generates on each rank's own GPU; set generation.tensor_parallel_size: "
