@@ -140,3 +140,14 @@ def test_an_engine_process_that_cannot_start_says_why(tmp_path):
         eng.start()
     eng.stop()
     assert eng.process is None
+
+
+def test_the_vllm_engine_process_leaves_torchruns_world():
+    """What torchrun gave the rank would make the engine process's one-process world wait for torchrun's store."""
+    from colocate_rl.rank.engine_server import solo_world
+
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x", "MASTER_PORT": "29500", "RANK": "3"}
+    solo_world(env)
+    assert not any(k.startswith("TORCHELASTIC_") for k in env)
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] != "29500" and int(env["MASTER_PORT"]) > 0
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

@@ -103,9 +103,7 @@ def child_vllm(spec: dict[str, Any]):
         def weights_valid(self) -> bool:
             return self._weights_valid
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())  # the rank's own port belongs to the trainer's process group
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    solo_world(os.environ)
     accelerator = SimpleNamespace(
         process_index=0, local_process_index=spec["local_rank"], num_processes=1, wait_for_everyone=lambda: None
     )
@@ -121,6 +119,18 @@ def child_vllm(spec: dict[str, Any]):
     )
     engine.start()
     return engine
+
+
+def solo_world(environ) -> None:
+    """Make `environ` (this process's) that of a world of one process for vLLM's external launcher: torchrun's
+    TORCHELASTIC_* variables removed (with TORCHELASTIC_USE_AGENT_STORE torch waits forever for torchrun's store on
+    the new port: seen on the H200), a free local port (the rank's own belongs to the trainer's process group), vLLM's
+    engine core in this process."""
+    for name in [n for n in environ if n.startswith("TORCHELASTIC_")]:
+        del environ[name]
+    environ["MASTER_ADDR"] = "127.0.0.1"
+    environ["MASTER_PORT"] = str(_free_port())
+    environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def _free_port() -> int:
