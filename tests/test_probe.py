@@ -543,7 +543,11 @@ def test_measuring_a_recipe_with_eval_says_what_the_trials_turn_off(tmp_path, mo
         "trial instead) — a trial of 3 steps cannot honour them; the recipe keeps them"
     )
     assert off < next(k for k, line in enumerate(lines) if line.startswith("trial 1: share"))
-    assert recipes and all(r["eval"]["every_steps"] is None and r["trainer"]["max_steps"] == 3 for r in recipes)
+    assert recipes and all(r["eval"]["every_steps"] is None for r in recipes)
+    assert [r["trainer"]["max_steps"] for r in recipes][-1] == 6 and {r["trainer"]["max_steps"] for r in recipes} == {
+        3,
+        6,
+    }
     assert "every_steps: 20" in out.read_text()  # the written copy still evaluates
     quiet = CliRunner().invoke(cli.app, [*args[:2], "--json", "--probe-dir", str(tmp_path / "p2")])
     assert quiet.exit_code == 0, quiet.output
@@ -740,7 +744,10 @@ def test_measuring_cli_with_fake_trials(tmp_path, monkeypatch):
     )
     assert trainer["gradient_checkpointing"] is False and trainer["max_steps"] == 2 and trainer["logging_steps"] == 1
     assert recipe["output"]["save_model"] is False
-    assert all(c[2]["distributed"] == dist and c[2]["trainer"] == trainer for c in calls)
+    bisection, swept = calls[:-1], calls[-1]
+    assert all(c[2]["distributed"] == dist and c[2]["trainer"] == trainer for c in bisection)
+    # the sweep's trial runs SWEEP_STEPS (6): its s/step is the median of 5 steps, not of the bisection's 1
+    assert swept[1] == 6 and swept[2]["trainer"] == {**trainer, "max_steps": 6} and swept[2]["distributed"] == dist
     gen = data["phases"][0]
     assert gen["phase"] == "generation" and gen["measured_gib"] == pytest.approx(8.6 + 0.6 * 140.4)
     assert abs(gen["error_pct"]) < 5  # the fake measurement is close to the estimate

@@ -251,11 +251,6 @@ def _measure(
     from colocate_rl.plan.sources import explain_sources
     from colocate_rl.recipe.load import format_sets, write_recipe_copy
 
-    if sweep and steps < 2:
-        raise UserError(
-            f"--steps: {steps} times nothing (the first step compiles and warms up, so it is left out): use --steps 2 "
-            "or more to sweep, or --no-sweep"
-        )
     source = read_recipe(recipe, overrides, env=os.environ)
     resolve_with = resolver(source, host)  # the recipe and every trial's variant over one pre-flight
     resolved = resolve_with({})

@@ -38,7 +38,7 @@ from colocate_rl.memory.autolayout import LAYOUT_HEADROOM, confirm_choice
 from colocate_rl.memory.bisect import ProbeResult, TrialResult, bisect
 from colocate_rl.memory.estimate import MEMORY_PHASES, Estimate, estimate
 from colocate_rl.memory.peaks import comparison, peak_at_share, phase_peaks
-from colocate_rl.memory.sweep import AUTO_SLEEP_LEVELS, Config, Sweep, configs, run_sweep, sweep_share
+from colocate_rl.memory.sweep import AUTO_SLEEP_LEVELS, SWEEP_STEPS, Config, Sweep, configs, run_sweep, sweep_share
 from colocate_rl.plan.launch_plan import LaunchPlan, cache_dir, make_plan
 from colocate_rl.plan.resolved import Resolved
 from colocate_rl.recipe.load import format_sets
@@ -324,11 +324,12 @@ def measure(
             on_start(count, util)
         if on_sweep and config is not None:
             on_sweep(count, config, util)
-        resolved = trial_recipe(plan, resolve_with, util, steps, config)
+        n = steps if config is None else max(steps, SWEEP_STEPS)
+        resolved = trial_recipe(plan, resolve_with, util, n, config)
         name = trial_name(count, util) + (
             "" if config is None else f"-sleep{config.sleep_level}-mb{config.micro_batch}"
         )
-        result = run_trial(plan_trial(resolved, plan.probe_dir / name), util, steps, timeout_s)
+        result = run_trial(plan_trial(resolved, plan.probe_dir / name), util, n, timeout_s)
         if on_trial:
             on_trial(count, result)
         return result

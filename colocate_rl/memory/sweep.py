@@ -20,6 +20,9 @@ from colocate_rl.launch.failures import TOO_HIGH, TOO_LOW
 from colocate_rl.memory.bisect import ProbeResult, TrialResult
 
 AUTO_SLEEP_LEVELS = (0, 2)  # what generation.sleep_level auto chooses between (colocate_rl.memory.autolayout)
+# Steps a swept trial runs at least (`--steps` when more): its s/step is the median of the steps after the first, and
+# on the H200 one disturbed trial timed over 2 steps lost by 61 % (issue 29's sweep; its other phases were slow too)
+SWEEP_STEPS = 6
 
 
 @dataclass(frozen=True)
