@@ -54,6 +54,8 @@ def test_auto_does_not_overlap_where_vllm_must_sleep_or_something_rules_it_out(t
     )
     assert rloo_twice.recipe.generation.overlap == "off"
     assert "trainer.extra_args.num_iterations other than 1" in rloo_twice.overlap_choice.reason
+    eager = on_h200(QWEN05, "generation.overlap=auto", "generation.sleep_level=0", "generation.enforce_eager=true")
+    assert eager.recipe.generation.overlap == "off" and "eager vLLM" in eager.overlap_choice.reason
     cpu = resolved_for(QWEN05, CPU, "generation.overlap=auto")
     assert cpu.recipe.generation.overlap == "off" and "overlap is for vLLM on GPUs" in cpu.overlap_choice.reason
 

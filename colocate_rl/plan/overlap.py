@@ -76,6 +76,10 @@ def choose_overlap(recipe: Recipe, backend: str, sleep_by_memory: bool) -> Overl
         )
     if blockers:
         return OverlapChoice(False, "; ".join(blockers))
+    if recipe.generation.enforce_eager:  # docs/benchmarks: the trainer's passes ran many times slower beside it
+        return OverlapChoice(
+            False, "eager vLLM (generation.enforce_eager) beside the trainer slowed it down on an H200"
+        )
     level = recipe.generation.sleep_level
     if level != 0:
         why = "trainer and vLLM do not fit awake together" if sleep_by_memory else "the recipe's generation.sleep_level"
