@@ -21,6 +21,8 @@ from colocate_rl.rundir import RunDir, step_records
 from colocate_rl.telemetry import events
 
 HANG_GUARD_S = 600  # not a speed check: only ends a hung test
+# plain DDP: faster to start than the quickstart's ZeRO-3 (the learning test keeps ZeRO-3: the push gathers there)
+DDP = ("--set", "distributed.deepspeed=null", "--set", "distributed.deepspeed_overrides={}")
 
 
 def on_h200(recipe, *sets):
@@ -161,7 +163,7 @@ def test_an_overlapped_run_learns_with_each_batch_generated_a_step_ahead(tmp_pat
 @pytest.mark.slow
 def test_an_overlapped_run_stops_and_resumes_with_every_step_once(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "quickstart", "--set", "generation.overlap=one_step", "--set", "trainer.max_steps=8")
+    proc = start(run_dir, "quickstart", *DDP, "--set", "generation.overlap=one_step", "--set", "trainer.max_steps=8")
     wait_for_steps(proc, run_dir, 3)
     engines = engine_processes(proc)
     assert len(engines) == 2
@@ -183,7 +185,9 @@ def test_an_overlapped_run_stops_and_resumes_with_every_step_once(tmp_path):
 @pytest.mark.slow
 def test_a_dead_engine_process_ends_the_run_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "quickstart", *("--set", "generation.overlap=one_step"), *("--set", "trainer.max_steps=400"))
+    proc = start(
+        run_dir, "quickstart", *DDP, *("--set", "generation.overlap=one_step"), *("--set", "trainer.max_steps=400")
+    )
     wait_for_steps(proc, run_dir, 2)
     victim = engine_processes(proc)[0]
     victim.kill()
