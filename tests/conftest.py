@@ -8,6 +8,7 @@ import importlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -17,6 +18,7 @@ from colocate_rl.plan.host import Gpu, Host
 from colocate_rl.plan.resolved import Resolved
 from colocate_rl.recipe.load import apply_overrides, parse_recipe, parse_sets, read_yaml
 from colocate_rl.recipe.shipped import find_recipe
+from colocate_rl.rundir import step_records
 
 ROOT = Path(__file__).resolve().parent.parent
 H200_GIB = 143_771 / 1024  # GiB, as NVML (and torch) report an H200: 143,771 MiB
@@ -139,3 +141,26 @@ QWEN7_1GPU = {
     "generation": {"vllm_gpu_memory_utilization": 0.35, "sleep_level": 2, "max_model_length": 1280},
     "distributed": {"nproc_per_node": 1, "zero_stage": "auto"},
 }
+
+
+HANG_GUARD_S = 600  # not a speed check: only ends a hung test
+
+
+def start(run_dir: Path, *args: str) -> subprocess.Popen:
+    """`colocate-rl train ARGS --run-dir RUN_DIR` in the background (CPU, 2 ranks)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "colocate_rl", "train", *args, "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        env=clean_env(**NO_GPU),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:
+    guard = time.monotonic() + HANG_GUARD_S
+    while len(step_records(run_dir)) < steps:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < guard, "the run logged no steps"
+        time.sleep(0.2)

@@ -10,13 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
-from conftest import NO_GPU, ROOT, assert_user_error, clean_env, cli, cli_here
+from conftest import HANG_GUARD_S, NO_GPU, ROOT, assert_user_error, clean_env, cli, cli_here, start, wait_for_steps
 
 from colocate_rl.launch.execute import RunResult, exit_code, run
 from colocate_rl.launch.supervise import run_supervised
@@ -25,29 +24,8 @@ from colocate_rl.plan.launch_plan import LaunchPlan
 from colocate_rl.rundir import CHECKPOINT_COMPLETE, RunDir, step_records
 from colocate_rl.telemetry import events
 
-HANG_GUARD_S = 600  # not a speed check: only ends a hung test
 # plain DDP: faster to start than the quickstart's ZeRO-3, where that is not what a test is about
 DDP = ("--set", "distributed.deepspeed=null", "--set", "distributed.deepspeed_overrides={}")
-
-
-def start(run_dir: Path, *args: str) -> subprocess.Popen:
-    """`colocate-rl train ARGS --run-dir RUN_DIR` in the background (CPU, 2 ranks)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "colocate_rl", "train", *args, "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        env=clean_env(**NO_GPU),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:
-    guard = time.monotonic() + HANG_GUARD_S
-    while len(step_records(run_dir)) < steps:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < guard, "the run logged no steps"
-        time.sleep(0.2)
 
 
 def free_port() -> int:

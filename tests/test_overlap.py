@@ -6,13 +6,21 @@ stops and resumes with every step once, and ends in one line when the engine pro
 
 import json
 import signal
-import subprocess
-import sys
-import time
 
 import psutil
 import pytest
-from conftest import CPU, H200_GIB, NO_GPU, QWEN05, QWEN7_1GPU, ROOT, assert_user_error, clean_env, cli, write_recipe
+from conftest import (
+    CPU,
+    H200_GIB,
+    HANG_GUARD_S,
+    QWEN05,
+    QWEN7_1GPU,
+    assert_user_error,
+    cli,
+    start,
+    wait_for_steps,
+    write_recipe,
+)
 from conftest import resolved as resolved_for
 
 from colocate_rl.plan.host import assumed_host
@@ -20,7 +28,6 @@ from colocate_rl.plan.launch_plan import make_plan
 from colocate_rl.rundir import RunDir, step_records
 from colocate_rl.telemetry import events
 
-HANG_GUARD_S = 600  # not a speed check: only ends a hung test
 # plain DDP: faster to start than the quickstart's ZeRO-3 (the learning test keeps ZeRO-3: the push gathers there)
 DDP = ("--set", "distributed.deepspeed=null", "--set", "distributed.deepspeed_overrides={}")
 
@@ -112,32 +119,9 @@ def test_an_engine_process_generates_on_its_own_gpu_only(tmp_path):
 # ---------------------------------------------------------------------------------------------- slow: real runs
 
 
-def rows(run_dir):
-    return step_records(run_dir)
-
-
 def engine_processes(proc) -> list[psutil.Process]:
     """The engine processes (spawned by the ranks) in the launcher's process tree."""
     return [p for p in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
-
-
-def start(run_dir, *args) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "colocate_rl", "train", *args, "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        env=clean_env(**NO_GPU),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def wait_for_steps(proc, run_dir, steps: int) -> None:
-    guard = time.monotonic() + HANG_GUARD_S
-    while len(rows(run_dir)) < steps:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < guard, "the run logged no steps"
-        time.sleep(0.2)
 
 
 @pytest.mark.slow
@@ -150,7 +134,7 @@ def test_an_overlapped_run_learns_with_each_batch_generated_a_step_ahead(tmp_pat
     proc = start(run_dir, "quickstart", "--set", "generation.overlap=one_step")
     out, _ = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, out + (run_dir / "train.log").read_text()[-5000:]
-    steps = rows(run_dir)
+    steps = step_records(run_dir)
     assert len(steps) == 40
     assert [r["overlap/ahead"] for r in steps] == [0.0] + [1.0] * 39
     values = [r["reward"] for r in steps]
@@ -175,7 +159,7 @@ def test_an_overlapped_run_stops_and_resumes_with_every_step_once(tmp_path):
     [stopped] = events.read_events(run_dir, events.STOPPED)
     resumed = cli("train", "--resume", run_dir, timeout=HANG_GUARD_S)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    steps = rows(run_dir)
+    steps = step_records(run_dir)
     assert [r["step"] for r in steps] == list(range(1, 9))  # every step once
     after = [r["overlap/ahead"] for r in steps if r["step"] > stopped["step"]]
     assert after[0] == 0.0 and set(after[1:]) == {1.0}  # the dropped batch was generated again, then ahead again
