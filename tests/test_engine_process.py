@@ -37,6 +37,7 @@ def spec(path, **changes):
         "generation_config": config(),
         "pad_token_id": 0,
         "max_batch": None,
+        "seed": 0,
         **changes,
     }
 
@@ -151,3 +152,24 @@ def test_the_vllm_engine_process_leaves_torchruns_world():
     assert not any(k.startswith("TORCHELASTIC_") for k in env)
     assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] != "29500" and int(env["MASTER_PORT"]) > 0
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_a_lora_model_is_pushed_merged_and_checked_under_its_own_module_names(saved):
+    """LoRA: the engine process holds base + adapter merged; the check compares the last layer's adapted weights
+    part by part (transformers names them q_proj, k_proj, ...; vLLM's fused qkv_proj is for the vLLM engine)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model(seed=0), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # an adapter that changes the weights (B starts at zero)
+    eng = P.ProcessEngine(spec(saved), model, no_gather, bucket_bytes=4096, check_weights=True, device="cpu")
+    eng.start()
+    try:
+        eng.push_weights()  # raised StaleWeightsError on fused names before the check took each part
+        assert {"model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"} <= set(eng.last_check)
+        merged = model.merge_and_unload()
+        assert eng.generate(PROMPTS, GREEDY).completion_ids == here(merged)
+    finally:
+        eng.stop()

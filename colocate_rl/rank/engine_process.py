@@ -92,6 +92,8 @@ class ProcessEngine(GenerationEngine):
         self.process = None
 
     def _died(self) -> EngineProcessError:
+        if self.process is not None:
+            self.process.join(timeout=10)  # reap it: its exit code is known only then (the pipe may close first)
         code = self.process.exitcode if self.process is not None else None
         return EngineProcessError(
             f"the generation engine process (pid {getattr(self.process, 'pid', '?')}) ended"
@@ -164,7 +166,8 @@ class ProcessEngine(GenerationEngine):
     def check_weights(self) -> None:
         from colocate_rl.rank.vllm_engine import raise_if_stale
 
-        expected = expected_weights(self.model, self.gather, 1, self._merge_if_adapted())
+        merge = self._merge_if_adapted()
+        expected = expected_weights(self.model, self.gather, 1, merge, fused=self.spec["kind"] == "vllm")
         self.last_check = list(expected)
         problems = []
         for group in fitting(list(expected.items()), self.staging.numel()):
@@ -203,7 +206,7 @@ def process_engine(trainer, launch, run_dir, seed: int) -> ProcessEngine:
         spec = vllm_spec(from_trainer(trainer, launch.engine, run_dir, seed), accelerator.local_process_index)
         bucket_bytes, check = launch.engine.bucket_bytes, launch.engine.check_weights
     else:
-        spec, bucket_bytes, check = transformers_spec(trainer, launch.model_dtype), 2**30, True
+        spec, bucket_bytes, check = transformers_spec(trainer, launch.model_dtype, seed), 2**30, True
     return ProcessEngine(
         spec,
         trainer.model,
@@ -229,8 +232,9 @@ def vllm_spec(engine, local_rank: int) -> dict[str, Any]:
     }
 
 
-def transformers_spec(trainer, dtype: str) -> dict[str, Any]:
-    """What the child needs to generate with transformers as `hf_engine.TransformersEngine` does for `trainer`."""
+def transformers_spec(trainer, dtype: str, seed: int) -> dict[str, Any]:
+    """What the child needs to generate with transformers as `hf_engine.TransformersEngine` does for `trainer`; its
+    sampling seeded with `seed` + the rank (as vLLM's is), so that a run samples the same again."""
     tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
     args = trainer.args
     return {
@@ -241,4 +245,5 @@ def transformers_spec(trainer, dtype: str) -> dict[str, Any]:
         "generation_config": trainer.generation_config,
         "pad_token_id": tokenizer.pad_token_id,
         "max_batch": args.per_device_train_batch_size * args.steps_per_generation,
+        "seed": (seed + trainer.accelerator.process_index) % 2**32,
     }

@@ -32,6 +32,7 @@ class ChildTransformers:
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(spec["device"])
+        torch.manual_seed(spec["seed"])
         self.model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=getattr(torch, spec["dtype"]))
         self.model.to(self.device).eval()
         self.params = dict(self.model.named_parameters())

@@ -47,9 +47,12 @@ def trainer_buckets(model, bucket_bytes: int, gather, merge=None) -> Iterator[li
             yield [(name, p.data) for name, p in bucket]
 
 
-def expected_weights(model, gather, tensor_parallel_size: int, merge=None) -> dict[str, torch.Tensor]:
+def expected_weights(
+    model, gather, tensor_parallel_size: int, merge=None, fused: bool = True
+) -> dict[str, torch.Tensor]:
     """Copies of the trainer's tensors that the weight check compares with the engine's (`check_names`; with LoRA
-    also the last layer's adapted weights, merged again), gathered under ZeRO-3 independently of the push."""
+    also the last layer's adapted weights merged again, under vLLM's fused names unless `fused` is False: an engine
+    with transformers' own module names), gathered under ZeRO-3 independently of the push."""
     named = ((vllm_name(n), p) for n, p in model.named_parameters())
     params = dict(merge.named_params() if merge is not None else named)
     names = check_names(list(params), tensor_parallel_size)
@@ -58,7 +61,10 @@ def expected_weights(model, gather, tensor_parallel_size: int, merge=None) -> di
     if merge is not None:
         from colocate_rl.rank.adapter.peft import expected_tensors
 
-        expected.update(expected_tensors(merge, merge.check_targets(tensor_parallel_size), gather))
+        targets = merge.check_targets(tensor_parallel_size)
+        if not fused:  # each part under its own name
+            targets = {part: [part] for parts in targets.values() for part in parts}
+        expected.update(expected_tensors(merge, targets, gather))
     return expected
 
 
