@@ -2,6 +2,7 @@
 
 Everything here is real: a spawned child process running transformers on its own copy of a tiny model, the pipe,
 weights staged in shared memory (on a GPU it is a CUDA IPC handle instead; the GPU tests run that path with vLLM).
+The tests that start the child process are in the slow tier (`slow`: a test that starts a process).
 """
 
 import contextlib
@@ -89,6 +90,7 @@ def test_the_staging_buffer_holds_the_largest_bucket():
     assert W.staging_bytes(model.named_parameters(), 2**30) == sum(W.aligned(s) for s in sizes)  # one bucket
 
 
+@pytest.mark.slow  # starts the engine process
 def test_the_engine_process_generates_what_the_rank_would_and_takes_every_push(engine):
     eng, model = engine
     assert eng.process.is_alive() and eng.process.pid != os.getpid()
@@ -108,6 +110,7 @@ def test_the_engine_process_generates_what_the_rank_would_and_takes_every_push(e
         assert len(eng.generate(PROMPTS, GREEDY).completion_ids) == 3
 
 
+@pytest.mark.slow  # starts the engine process
 def test_weights_changed_without_a_push_fail_the_check(engine):
     eng, model = engine
     with torch.no_grad():
@@ -116,6 +119,7 @@ def test_weights_changed_without_a_push_fail_the_check(engine):
         eng.check_weights()
 
 
+@pytest.mark.slow  # starts the engine process
 def test_an_error_in_the_engine_process_is_one_line_and_it_keeps_serving(engine):
     eng, model = engine
     with pytest.raises(EngineProcessError, match="the generation engine process failed: IndexError"):
@@ -123,6 +127,7 @@ def test_an_error_in_the_engine_process_is_one_line_and_it_keeps_serving(engine)
     assert eng.generate(PROMPTS, GREEDY).completion_ids == here(model)
 
 
+@pytest.mark.slow  # starts the engine process
 def test_a_dead_engine_process_ends_the_call_with_its_exit_code(engine):
     eng, _ = engine
     pending = eng.submit(PROMPTS, Sampling(max_tokens=6, temperature=0.0))
@@ -133,6 +138,7 @@ def test_a_dead_engine_process_ends_the_call_with_its_exit_code(engine):
         eng.generate(PROMPTS, GREEDY)
 
 
+@pytest.mark.slow  # starts the engine process
 def test_an_engine_process_that_cannot_start_says_why(tmp_path):
     eng = P.ProcessEngine(
         spec(tmp_path / "missing"), tiny_model(), no_gather, bucket_bytes=4096, check_weights=True, device="cpu"
@@ -154,6 +160,7 @@ def test_the_vllm_engine_process_leaves_torchruns_world():
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
+@pytest.mark.slow  # starts the engine process
 def test_a_lora_model_is_pushed_merged_and_checked_under_its_own_module_names(saved):
     """LoRA: the engine process holds base + adapter merged; the check compares the last layer's adapted weights
     part by part (transformers names them q_proj, k_proj, ...; vLLM's fused qkv_proj is for the vLLM engine)."""

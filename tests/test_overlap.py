@@ -17,6 +17,7 @@ from conftest import (
     QWEN7_1GPU,
     assert_user_error,
     cli,
+    cli_here,
     start,
     wait_for_steps,
     write_recipe,
@@ -98,17 +99,17 @@ def test_settings_that_cannot_overlap_are_refused_in_one_line(tmp_path, sets, fr
         {**QWEN05, "generation": {**QWEN05.get("generation", {}), "overlap": "one_step", "sleep_level": "auto"}},
     )
     args = [a for s in sets for a in ("--set", s)]
-    assert_user_error(cli("validate", recipe, "--gpus", "1", *args), fragment, "set generation.overlap: off")
+    assert_user_error(cli_here("validate", recipe, "--gpus", "1", *args), fragment, "set generation.overlap: off")
 
 
 def test_an_engine_process_generates_on_its_own_gpu_only(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", {**QWEN05, "distributed": {"nproc_per_node": 2}})
-    result = cli(
+    result = cli_here(
         "validate", recipe, "--gpus", "2", "--set", "generation.engine_process=true",
         "--set", "generation.tensor_parallel_size=2",
     )  # fmt: skip
     assert_user_error(result, "generation.engine_process: true generates on each rank's own GPU", one_line=True)
-    offload = cli(
+    offload = cli_here(
         "validate", recipe, "--gpus", "2", "--set", "generation.engine_process=true",
         "--set", "generation.offload_trainer_during_generation=true", "--set", "distributed.deepspeed=zero3",
         "--set", "distributed.zero_stage=2",
