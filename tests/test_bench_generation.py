@@ -264,7 +264,8 @@ def test_engine_arguments_equal_those_of_the_engine_a_real_trainer_builds(algori
     (run_dir / "recipe.yaml").write_text(json.dumps(recipe))  # JSON is YAML
 
     monkeypatch.setattr(E.VLLMEngine, "start", lambda self: None)  # vLLM cannot start here
-    factory, trl_builds_vllm = engine_factory(spec, run_dir, seed=trl_args["seed"])  # as the worker builds it
+    # as the worker builds it
+    factory, trl_builds_vllm = engine_factory(spec, run_dir, trl_args["seed"], GenerationSection())
     trainer = engine_trainer(Trainer)(
         model=str(model),
         reward_funcs=[lambda completions, **kwargs: [0.0] * len(completions)],

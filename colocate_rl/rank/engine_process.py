@@ -194,25 +194,24 @@ class ProcessEngine(GenerationEngine):
 # ---------------------------------------------------------------------------------------------- specs (rank side)
 
 
-def process_engine(trainer, launch, run_dir, seed: int) -> ProcessEngine:
+def process_engine(trainer, launch, options, run_dir, seed: int) -> ProcessEngine:
     """The engine process for a TRL trainer: colocate-rl's vLLM engine as `vllm_engine.from_trainer` builds it for the
-    rank, or transformers without vLLM (weight buckets of 1 GiB, weights checked)."""
+    rank, or transformers without vLLM; weight buckets and the check as the engine `options` say."""
     from colocate_rl.rank.adapter.trl import gather_params
 
     accelerator = trainer.accelerator
     if launch.backend == "vllm":
         from colocate_rl.rank.vllm_engine import from_trainer
 
-        spec = vllm_spec(from_trainer(trainer, launch.engine, run_dir, seed), accelerator.local_process_index)
-        bucket_bytes, check = launch.engine.bucket_bytes, launch.engine.check_weights
+        spec = vllm_spec(from_trainer(trainer, options, run_dir, seed), accelerator.local_process_index)
     else:
-        spec, bucket_bytes, check = transformers_spec(trainer, launch.model_dtype, seed), 2**30, True
+        spec = transformers_spec(trainer, launch.model_dtype, seed)
     return ProcessEngine(
         spec,
         trainer.model,
         gather_params(accelerator),
-        bucket_bytes=bucket_bytes,
-        check_weights=check,
+        bucket_bytes=options.bucket_bytes,
+        check_weights=options.check_weights,
         device=accelerator.device,
     )
 

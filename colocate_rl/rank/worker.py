@@ -95,12 +95,15 @@ def telemetry_extras(telemetry):
     return extras
 
 
-def engine_factory(launch: LaunchSpec, run_dir: Path, seed: int):
-    """`factory(trainer) -> GenerationEngine` for the run's backend, and whether TRL builds its own vLLM engine."""
+def engine_factory(launch: LaunchSpec, run_dir: Path, seed: int, generation):
+    """`factory(trainer) -> GenerationEngine` for the run's backend, and whether TRL builds its own vLLM engine
+    (`generation`: the recipe's section, whose engine options an engine process without vLLM takes too)."""
     if launch.engine_process:
+        from colocate_rl.plan.engine_options import EngineOptions
         from colocate_rl.rank.engine_process import process_engine
 
-        return (lambda trainer: process_engine(trainer, launch, run_dir, seed)), False
+        options = launch.engine or EngineOptions.from_generation(generation)
+        return (lambda trainer: process_engine(trainer, launch, options, run_dir, seed)), False
     if launch.backend != "vllm":
         from colocate_rl.rank.hf_engine import transformers_engine
 
@@ -251,7 +254,7 @@ def build_trainer(run_dir: Path):
     config = Config(**config_args(Config, launch.trl_args))
     # The process group is up now (DeepSpeed or accelerate): all nodes must run the same recipe.
     check_same_recipe(run_dir, launch.recipe_hash)
-    factory, trl_builds_vllm = engine_factory(launch, run_dir, recipe.trainer.seed)
+    factory, trl_builds_vllm = engine_factory(launch, run_dir, recipe.trainer.seed, recipe.generation)
     trainer = adapter.engine_trainer(Trainer)(
         model=launch.model_path,
         reward_funcs=rewards,
