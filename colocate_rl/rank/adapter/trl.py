@@ -24,12 +24,8 @@ CALLED = {
     "_tokenize_prompts": ["self", "prompts"],  # evaluation: TRL's chat template and tokenisation of prompts
     "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],  # evaluation, timed
     "_generate_and_score_completions": None,  # timed as the "prepare" phase (any parameters)
-    "get_batch_samples": [
-        "self",
-        "epoch_iterator",
-        "num_batches",
-        "device",
-    ],  # transformers' loop: overlap's look-ahead
+    # transformers' training loop takes each optimizer step's batches with it: overlap's look-ahead
+    "get_batch_samples": ["self", "epoch_iterator", "num_batches", "device"],
 }
 # GRPOTrainer's multi-turn path (tools, environments), with what colocate-rl relies on: `_generate(prompts)` runs one
 # batch of episodes (first turn, then `_tool_call_loop`, whose turns call `_generate_single_turn` too) and returns
