@@ -18,6 +18,7 @@ What can fail: the child not starting (UserError with the child's own line), the
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 
 from colocate_rl.errors import EngineProcessError, UserError
 from colocate_rl.rank.engine import Generation, GenerationEngine, Pending, Sampling
-from colocate_rl.rank.weights import expected_weights, fitting, stage, staging_bytes, trainer_buckets
+from colocate_rl.rank.weights import adapter_merge, expected_weights, fitting, stage, staging_bytes, trainer_buckets
 
 POLL_S = 1.0  # how often a rank waiting for its engine process checks that the process is alive
 
@@ -46,7 +47,6 @@ class ProcessEngine(GenerationEngine):
         self._ids = itertools.count()
         self._answers: dict[int, tuple[str, Any, bool]] = {}
         self._child_weights_valid = True  # the child's weights equal the last push (or the checkpoint, at start)
-        self._merge = None
         self.last_check: list[str] = []
 
     # ------------------------------------------------------------------ process
@@ -66,8 +66,7 @@ class ProcessEngine(GenerationEngine):
         except EngineProcessError as e:
             raise UserError(f"generation.engine_process: the engine process did not start ({e})") from None
         self.max_model_len = int(info["max_model_len"])
-        merge = self._merge_if_adapted()
-        named = merge.named_params() if merge is not None else self.model.named_parameters()
+        named = self.merge.named_params() if self.merge is not None else self.model.named_parameters()
         size = staging_bytes(named, self.bucket_bytes)
         self.staging = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._call("stage", self.staging)
@@ -142,21 +141,16 @@ class ProcessEngine(GenerationEngine):
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
         return self.submit(prompt_ids, sampling).result()
 
-    def _merge_if_adapted(self):
-        from accelerate.utils import is_peft_model
-
-        if self._merge is None and is_peft_model(self.model):
-            from colocate_rl.rank.adapter.peft import AdapterMerge
-            from colocate_rl.rank.weights import vllm_name
-
-            self._merge = AdapterMerge(self.model, vllm_name)
-        return self._merge
+    @functools.cached_property
+    def merge(self):
+        """With LoRA: the adapted model as the engine holds it (`weights.adapter_merge`, built once); else None."""
+        return adapter_merge(self.model)
 
     def push_weights(self) -> None:
         """Stage the trainer's weights bucket by bucket and have the child load each; then check them."""
         with self.phase("weight_sync"):
             self._call("begin_push")
-            for bucket in trainer_buckets(self.model, self.bucket_bytes, self.gather, self._merge_if_adapted()):
+            for bucket in trainer_buckets(self.model, self.bucket_bytes, self.gather, self.merge):
                 self._call("load", stage(self.staging, bucket))
             if self.check:
                 with self.phase("weight_check"):
@@ -166,8 +160,7 @@ class ProcessEngine(GenerationEngine):
     def check_weights(self) -> None:
         from colocate_rl.rank.vllm_engine import raise_if_stale
 
-        merge = self._merge_if_adapted()
-        expected = expected_weights(self.model, self.gather, 1, merge, fused=self.spec["kind"] == "vllm")
+        expected = expected_weights(self.model, self.gather, 1, self.merge, fused=self.spec["kind"] == "vllm")
         self.last_check = list(expected)
         problems = []
         for group in fitting(list(expected.items()), self.staging.numel()):

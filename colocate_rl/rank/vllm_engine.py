@@ -26,6 +26,7 @@ Each part of the cycle is timed as a phase (`phase`). vLLM's internals are reach
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from colocate_rl.plan.engine_options import EngineOptions
 from colocate_rl.rank.adapter import deepspeed as ds
 from colocate_rl.rank.adapter import vllm as vl
 from colocate_rl.rank.engine import Generation, GenerationEngine, Sampling
-from colocate_rl.rank.weights import compare_weights, expected_weights, trainer_buckets, vllm_name
+from colocate_rl.rank.weights import adapter_merge, compare_weights, expected_weights, trainer_buckets
 from colocate_rl.telemetry import events
 
 
@@ -128,7 +129,6 @@ class VLLMEngine(GenerationEngine):
         self._offloaded = False
         self._held = 0  # open `hold` blocks: generate keeps vLLM awake until the outermost one ends
         self.max_model_len = 2**62  # prompt + completion tokens vLLM takes: its built config's, once started
-        self._merge = None  # LoRA: the adapted model as vLLM sees it (colocate_rl.rank.adapter.peft.AdapterMerge)
         self.last_check: list[str] = []  # parameters compared after the last push
 
     # ------------------------------------------------------------------ start and stop
@@ -234,7 +234,7 @@ class VLLMEngine(GenerationEngine):
     def _push(self) -> None:
         """Load the trainer's current weights into vLLM, bucket by bucket."""
         engine_model = vl.engine_model(self.llm)
-        for bucket in trainer_buckets(self.model, self.options.bucket_bytes, self.gather, self._merge_if_adapted()):
+        for bucket in trainer_buckets(self.model, self.options.bucket_bytes, self.gather, self.merge):
             engine_model.load_weights(bucket)
 
     def push_weights(self) -> None:
@@ -250,20 +250,15 @@ class VLLMEngine(GenerationEngine):
             self._weights_valid = True
             self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
-    def _merge_if_adapted(self):
-        """With LoRA: the adapted model as vLLM sees it (`adapter.peft.AdapterMerge`, built once); else None."""
-        from accelerate.utils import is_peft_model
-
-        if self._merge is None and is_peft_model(self.model):
-            from colocate_rl.rank.adapter.peft import AdapterMerge
-
-            self._merge = AdapterMerge(self.model, vllm_name)
-        return self._merge
+    @functools.cached_property
+    def merge(self):
+        """With LoRA: the adapted model as vLLM sees it (`weights.adapter_merge`, built once); else None."""
+        return adapter_merge(self.model)
 
     def check_weights(self) -> None:
         """Compare a few of vLLM's tensors with the trainer's current ones (`weights.expected_weights`); raise
         StaleWeightsError on any difference."""
-        expected = expected_weights(self.model, self.gather, self.tensor_parallel_size, self._merge_if_adapted())
+        expected = expected_weights(self.model, self.gather, self.tensor_parallel_size, self.merge)
         self.last_check = list(expected)
         raise_if_stale(compare_weights(expected, dict(vl.engine_model(self.llm).named_parameters())))
 

@@ -68,6 +68,17 @@ def expected_weights(
     return expected
 
 
+def adapter_merge(model):
+    """With LoRA: the adapted model as vLLM names it (`adapter.peft.AdapterMerge`: base + adapter); else None."""
+    from accelerate.utils import is_peft_model
+
+    if not is_peft_model(model):
+        return None
+    from colocate_rl.rank.adapter.peft import AdapterMerge
+
+    return AdapterMerge(model, vllm_name)
+
+
 def vllm_name(name: str) -> str:
     """The trainer's parameter name as vLLM's model names it (activation-checkpoint wrappers dropped)."""
     return name.replace("_checkpoint_wrapped_module.", "")
