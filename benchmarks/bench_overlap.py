@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Overlap (issue 28), side by side in one invocation on one GPU: colocate-rl with `generation.overlap: one_step`,
+colocate-rl without, and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-batch set by hand), in the order given
+(default A-B-C-A-B-C), on 256 completions per step of recipes/smollm2-135m-gsm8k.yaml's task.
+
+Workloads: `c256` SmolLM2-135M-Instruct (`--model`); `d256` a random-init model of SmolLM2-1.7B's shape with the same
+tokenizer, built once into OUT/smollm2-1.7b-shape from `--model` (config changed, weights random, bf16).
+
+    python benchmarks/bench_overlap.py --out OUT --model DIR --data FILE.jsonl --workload c256 --steps 12
+    python benchmarks/bench_overlap.py --out OUT --table
+
+Per run: s/step = the median of the step-to-step wall-clock intervals from step 3 on (step 1 compiles and generates
+without overlap, step 2 is the first overlapped one); colocate-rl's phase medians over the same steps; the GPU's peak
+memory used (NVML, sampled every 0.2 s over the whole run, all processes); exit code. Rows are appended to
+OUT/results.jsonl as runs end; OUT/table.md holds the table. `--dry-run` prints the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
+ARMS = ("overlap", "off", "trl")
+PHASES = ("generate", "prepare", "reward", "train", "weight_sync", "optimizer")
+SHAPE_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
+                  intermediate_size=8192)  # fmt: skip
+TRL_MICRO_BATCH = {"c256": (128, 2), "d256": (128, 2)}  # the best that fits, found by hand (stack facts)
+
+
+def build_1p7b(src: Path, out: Path) -> Path:
+    """SmolLM2-1.7B's shape with `src`'s tokenizer, random weights (seed 0), bf16; built once."""
+    if (out / "config.json").is_file():
+        return out
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    for key, value in SHAPE_1P7B.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config")):
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(out)
+    return out
+
+
+def command(arm: str, workload: str, model: Path, data: Path, run: Path, steps: int, sets: list[str]) -> list[str]:
+    if arm == "trl":
+        mb, ga = TRL_MICRO_BATCH[workload]
+        return [sys.executable, "benchmarks/trl_grpo.py", "--model", str(model), "--data", str(data), "--out",
+                str(run), "--steps", str(steps), "--micro-batch", str(mb), "--grad-accum", str(ga)]  # fmt: skip
+    items = [
+        f"model.name={model}",
+        f"data.source={data}",
+        "eval.every_steps=null",
+        "trainer.gradient_accumulation_steps=8",  # 32 prompts x 8 completions per step
+        f"trainer.max_steps={steps}",
+        f"generation.overlap={'one_step' if arm == 'overlap' else 'off'}",
+        *sets,
+    ]
+    argv = [sys.executable, "-m", "colocate_rl", "train", RECIPE, "--run-dir", str(run)]
+    for item in items:
+        argv += ["--set", item]
+    return argv
+
+
+class PeakMemory(threading.Thread):
+    """The GPU's used memory (NVML, all processes), its maximum over the thread's life, in GiB."""
+
+    def __init__(self, index: int = 0):
+        super().__init__(daemon=True)
+        self.peak, self._stop = 0.0, threading.Event()
+        self.index = index
+
+    def run(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(self.index)
+        except Exception:  # no NVML (CPU machine): no figure
+            return
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self.join(timeout=5)
+        return round(self.peak, 2)
+
+
+def step_rows(arm: str, run: Path) -> list[dict]:
+    if arm == "trl":
+        path = run / "steps.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    from colocate_rl.rundir import step_records
+
+    return step_records(run)
+
+
+def figures(arm: str, run: Path) -> dict:
+    rows = step_rows(arm, run)
+    out: dict = {"steps": len(rows)}
+    later = [(a, b) for a, b in zip(rows, rows[1:]) if b["step"] >= 3 and b["step"] == a["step"] + 1]
+    if later:
+        out["s_per_step"] = round(statistics.median(b["wall_s"] - a["wall_s"] for a, b in later), 4)
+        out["s_per_step_range"] = [round(min(b["wall_s"] - a["wall_s"] for a, b in later), 3),
+                                   round(max(b["wall_s"] - a["wall_s"] for a, b in later), 3)]  # fmt: skip
+    tail = [r for r in rows if r["step"] >= 3]
+    if arm != "trl" and tail:
+        out["phases_s"] = {p: round(statistics.median(r.get(f"time/{p}_s", 0.0) for r in tail), 4) for p in PHASES}
+        out["overlap_ahead"] = [r.get("overlap/ahead") for r in rows]
+        out["torch_peak_gib"] = max(r.get("mem/gpu_peak_gib", 0.0) for r in rows)
+    if arm == "trl" and rows:
+        out["torch_peak_gib"] = max(r.get("torch_peak_gib", 0.0) for r in rows)
+    if rows:
+        out["reward_first_last"] = [round(rows[0].get("reward", float("nan")), 4),
+                                    round(rows[-1].get("reward", float("nan")), 4)]  # fmt: skip
+    return out
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| # | workload | arm | s/step (range) | generate / prepare / reward / train / sync | GPU peak GiB (NVML) | "
+             "reward first → last | exit |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        ph = r.get("phases_s")
+        cells = " / ".join(f"{ph[p]:.3f}" for p in PHASES[:5]) if ph else "–"
+        rng = r.get("s_per_step_range")
+        s = f"{r['s_per_step']:.3f} ({rng[0]:.2f}–{rng[1]:.2f})" if r.get("s_per_step") else "–"
+        fl = r.get("reward_first_last") or ["–", "–"]
+        lines.append(f"| {r['order']} | {r['workload']} | {r['arm']} | {s} | {cells} | {r.get('nvml_peak_gib')} | "
+                     f"{fl[0]} → {fl[1]} | {r['exit']} |")  # fmt: skip
+    by_arm: dict = {}
+    for r in results:
+        if r.get("s_per_step") and r["exit"] == 0:
+            by_arm.setdefault((r["workload"], r["arm"]), []).append(r["s_per_step"])
+    lines += ["", "| workload | arm | runs | pooled median s/step | × vs TRL |", "|---|---|---|---|---|"]
+    for (w, arm), values in sorted(by_arm.items()):
+        trl = by_arm.get((w, "trl"))
+        ratio = f"{statistics.median(trl) / statistics.median(values):.2f}×" if trl else "–"
+        lines.append(f"| {w} | {arm} | {len(values)} | {statistics.median(values):.3f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", type=Path, help="SmolLM2-135M-Instruct as a transformers directory")
+    p.add_argument("--data", type=Path, help="gsm_symbolic_train.jsonl")
+    p.add_argument("--workload", choices=("c256", "d256"), default="c256")
+    p.add_argument("--order", default="overlap,off,trl,overlap,off,trl", help=f"arms, comma-separated: {ARMS}")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--set", dest="sets", action="append", default=[], help="to every colocate-rl run, last")
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--table", action="store_true", help="only rewrite OUT/table.md from OUT/results.jsonl")
+    a = p.parse_args(argv)
+    results_file = a.out / "results.jsonl"
+    if a.table:
+        results = [json.loads(x) for x in results_file.read_text().splitlines()]
+        (a.out / "table.md").write_text(table(results))
+        print(table(results))
+        return 0
+    order = a.order.split(",")
+    if unknown := sorted(set(order) - set(ARMS)):
+        p.error(f"--order: unknown arm(s) {unknown}; the arms are {', '.join(ARMS)}")
+    if a.model is None or a.data is None:
+        p.error("--model and --data are needed")
+    a.out.mkdir(parents=True, exist_ok=True)
+    model = a.model
+    if a.workload == "d256" and not a.dry_run:
+        model = build_1p7b(a.model, a.out / "smollm2-1.7b-shape")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    for k, arm in enumerate(order, start=1):
+        run = a.out / f"{a.workload}-{k}-{arm}"
+        argv_k = command(arm, a.workload, model, a.data, run, a.steps, a.sets)
+        print(f"[{k}/{len(order)}] {shlex.join(argv_k)}", flush=True)
+        if a.dry_run:
+            continue
+        peak = PeakMemory()
+        peak.start()
+        started = time.time()
+        with open(a.out / f"{a.workload}-{k}-{arm}.log", "w") as log:
+            try:
+                code = subprocess.run(argv_k, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=a.timeout).returncode  # fmt: skip
+            except subprocess.TimeoutExpired:
+                code = 124
+        row = {"order": k, "workload": a.workload, "arm": arm, "exit": code, "wall_s": round(time.time() - started, 1),
+               "nvml_peak_gib": peak.stop(), **figures(arm, run), "command": shlex.join(argv_k)}  # fmt: skip
+        with results_file.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+    if not a.dry_run:
+        results = [json.loads(x) for x in results_file.read_text().splitlines()]
+        (a.out / "table.md").write_text(table(results))
+        print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
