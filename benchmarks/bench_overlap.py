@@ -87,7 +87,7 @@ class PeakMemory(threading.Thread):
 
     def __init__(self, index: int = 0):
         super().__init__(daemon=True)
-        self.peak, self._stop = 0.0, threading.Event()
+        self.peak, self._done = 0.0, threading.Event()
         self.index = index
 
     def run(self) -> None:
@@ -98,11 +98,11 @@ class PeakMemory(threading.Thread):
             handle = pynvml.nvmlDeviceGetHandleByIndex(self.index)
         except Exception:  # no NVML (CPU machine): no figure
             return
-        while not self._stop.wait(0.2):
+        while not self._done.wait(0.2):
             self.peak = max(self.peak, pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30)
 
     def stop(self) -> float:
-        self._stop.set()
+        self._done.set()
         self.join(timeout=5)
         return round(self.peak, 2)
 

@@ -111,6 +111,24 @@ def test_the_engine_process_generates_what_the_rank_would_and_takes_every_push(e
 
 
 @pytest.mark.slow  # starts the engine process
+def test_a_hold_does_not_wait_for_the_generation_in_flight(engine):
+    """Overlap submits the next step's batch inside TRL's hold of the engine: leaving the hold must not wait for that
+    generation (it did, and the trainer sat idle while vLLM generated: found on the H200). An error in a command
+    nobody waits for comes up at the next wait."""
+    eng, model = engine
+    long = Sampling(max_tokens=200, temperature=0.0)
+    with eng.hold():
+        pending = eng.submit(PROMPTS * 8, long)
+    assert not eng._answers, "leaving the hold waited for the generation"
+    assert len(pending.result().completion_ids) == 24
+    assert eng.generate(PROMPTS, GREEDY).completion_ids == here(model)
+    assert not eng._unawaited  # the hold's answers were read, in order, behind the generation's
+    eng._send_only("hold_end")  # no hold to end: the child answers with an error
+    with pytest.raises(EngineProcessError, match="the generation engine process failed: IndexError"):
+        eng.generate(PROMPTS, GREEDY)
+
+
+@pytest.mark.slow  # starts the engine process
 def test_weights_changed_without_a_push_fail_the_check(engine):
     eng, model = engine
     with torch.no_grad():

@@ -46,6 +46,7 @@ class ProcessEngine(GenerationEngine):
         self._conn = None
         self._ids = itertools.count()
         self._answers: dict[int, tuple[str, Any, bool]] = {}
+        self._unawaited: set[int] = set()  # commands whose answers nobody waits for (`_send_only`)
         self._child_weights_valid = True  # the child's weights equal the last push (or the checkpoint, at start)
         self.last_check: list[str] = []
 
@@ -108,15 +109,22 @@ class ProcessEngine(GenerationEngine):
             ident, status, value, valid = self._conn.recv()
         except (EOFError, OSError):
             raise self._died() from None
-        self._answers[ident] = (status, value, valid)
+        if ident in self._unawaited:
+            self._unawaited.discard(ident)
+            self._check_answer(status, value, valid)
+        else:
+            self._answers[ident] = (status, value, valid)
+
+    def _check_answer(self, status: str, value: Any, valid: bool) -> None:
+        if status == "error":
+            raise EngineProcessError(f"the generation engine process failed: {value}")
+        self._child_weights_valid = valid
 
     def _await(self, ident: int) -> Any:
         while ident not in self._answers:
             self._receive()
         status, value, valid = self._answers.pop(ident)
-        if status == "error":
-            raise EngineProcessError(f"the generation engine process failed: {value}")
-        self._child_weights_valid = valid
+        self._check_answer(status, value, valid)
         return value
 
     def _send(self, op: str, args: Any = None) -> int:
@@ -129,6 +137,11 @@ class ProcessEngine(GenerationEngine):
 
     def _call(self, op: str, args: Any = None) -> Any:
         return self._await(self._send(op, args))
+
+    def _send_only(self, op: str) -> None:
+        """A command not waited for: its answer would queue behind a generation in flight (overlap's next batch);
+        an error in it is raised at the next wait."""
+        self._unawaited.add(self._send(op))
 
     # ------------------------------------------------------------------ the interface
 
@@ -177,11 +190,11 @@ class ProcessEngine(GenerationEngine):
 
     @contextlib.contextmanager
     def hold(self):
-        self._call("hold_begin")
+        self._send_only("hold_begin")
         try:
             yield
         finally:
-            self._call("hold_end")
+            self._send_only("hold_end")
 
 
 # ---------------------------------------------------------------------------------------------- specs (rank side)
