@@ -212,6 +212,7 @@ def refusal(resolved: Resolved) -> str | None:
         ),
         (r.tools.active, "tools (multi-turn episodes); no row used tools alone on a GPU"),
         (g.tensor_parallel_size > 1, "generation.tensor_parallel_size > 1; the rows ran 1"),
+        (g.overlap == "one_step", "generation.overlap: one_step; the rows generated and trained in turn"),
         (bool(fixed), f"trainer.extra_args.{fixed[0] if fixed else ''}; the rows generate once per step"),
     ]
     return next((why for bad, why in reasons if bad), None)
