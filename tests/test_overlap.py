@@ -130,7 +130,7 @@ def test_an_overlapped_run_learns_with_each_batch_generated_a_step_ahead(tmp_pat
     """The quickstart (ZeRO-3, 2 ranks, 40 steps) with overlap: from step 2 on every generation batch was generated
     while the step before trained (overlap/ahead 1), so the generate phase is only the wait for it. Measured on 2
     cores: reward 0.004 -> 0.833 (without overlap 0.011 -> 0.963; the first steps learn slower, from one-step-old
-    samples and, with transformers, no importance-sampling correction), 0.193 against 0.244 s/step."""
+    samples and, with transformers, no importance-sampling correction), 0.216 against 0.310 s/step."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, "quickstart", "--set", "generation.overlap=one_step")
     out, _ = proc.communicate(timeout=HANG_GUARD_S)
