@@ -4,9 +4,13 @@ colocate-rl without, and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-ba
 (default A-B-C-A-B-C), on 256 completions per step of recipes/smollm2-135m-gsm8k.yaml's task.
 
 Workloads: `c256` SmolLM2-135M-Instruct (`--model`); `d256` a random-init model of SmolLM2-1.7B's shape with the same
-tokenizer, built once into OUT/smollm2-1.7b-shape from `--model` (config changed, weights random, bf16).
+tokenizer, built once into OUT/smollm2-1.7b-shape from `--model` (config changed, weights random, bf16); `arith` the
+same learning with and without overlap (issue 28's target): SmolLM2-135M-Instruct on `builtin:arithmetic` with
+math_verify, 8 prompts × 8 completions per step, held-out greedy evaluation of 200 prompts every 20 steps and after
+the last, for each seed of `--seeds` (arms overlap and off only; the rows add the held-out curve).
 
     python benchmarks/bench_overlap.py --out OUT --model DIR --data FILE.jsonl --workload c256 --steps 12
+    python benchmarks/bench_overlap.py --out OUT --model DIR --workload arith --steps 120 --order overlap,off --seeds 0,1
     python benchmarks/bench_overlap.py --out OUT --table
 
 Per run: s/step = the median of the step-to-step wall-clock intervals from step 3 on (step 1 compiles and generates
@@ -37,6 +41,15 @@ PHASES = ("generate", "prepare", "reward", "train", "weight_sync", "optimizer")
 SHAPE_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                   intermediate_size=8192)  # fmt: skip
 TRL_MICRO_BATCH = {"c256": (128, 2), "d256": (128, 2)}  # the best that fits, found by hand (stack facts)
+ARITH = [  # the learning workload: a task SmolLM2-135M learns (stack facts: held-out 0.115 -> 0.295 in 120 steps)
+    "data.source=builtin:arithmetic",
+    "data.prompt_field=prompt",
+    "data.subset=null",
+    "rewards=[{name: math_verify}]",
+    "trainer.gradient_accumulation_steps=2",  # 8 prompts x 8 completions per step
+    "eval.every_steps=20",
+    "eval.num_samples=200",
+]
 
 
 def build_1p7b(src: Path, out: Path) -> Path:
@@ -62,17 +75,19 @@ def build_1p7b(src: Path, out: Path) -> Path:
     return out
 
 
-def command(arm: str, workload: str, model: Path, data: Path, run: Path, steps: int, sets: list[str]) -> list[str]:
+def command(
+    arm: str, workload: str, model: Path, data: Path | None, run: Path, steps: int, sets: list[str], seed: int = 0
+) -> list[str]:
     if arm == "trl":
         mb, ga = TRL_MICRO_BATCH[workload]
         return [sys.executable, "benchmarks/trl_grpo.py", "--model", str(model), "--data", str(data), "--out",
                 str(run), "--steps", str(steps), "--micro-batch", str(mb), "--grad-accum", str(ga)]  # fmt: skip
+    speed = [f"data.source={data}", "eval.every_steps=null", "trainer.gradient_accumulation_steps=8"]  # 32 x 8
     items = [
         f"model.name={model}",
-        f"data.source={data}",
-        "eval.every_steps=null",
-        "trainer.gradient_accumulation_steps=8",  # 32 prompts x 8 completions per step
+        *(ARITH if workload == "arith" else speed),
         f"trainer.max_steps={steps}",
+        f"trainer.seed={seed}",
         f"generation.overlap={'one_step' if arm == 'overlap' else 'off'}",
         *sets,
     ]
@@ -131,6 +146,12 @@ def figures(arm: str, run: Path) -> dict:
         out["torch_peak_gib"] = max(r.get("mem/gpu_peak_gib", 0.0) for r in rows)
     if arm == "trl" and rows:
         out["torch_peak_gib"] = max(r.get("torch_peak_gib", 0.0) for r in rows)
+    if arm != "trl":
+        from colocate_rl.rundir import read_metrics
+
+        evals = [r for r in read_metrics(run) if isinstance(r.get("eval/reward"), (int, float))]
+        if evals:
+            out["eval_reward"] = [[r["step"], round(r["eval/reward"], 4)] for r in evals]
     if rows:
         out["reward_first_last"] = [round(rows[0].get("reward", float("nan")), 4),
                                     round(rows[-1].get("reward", float("nan")), 4)]  # fmt: skip
@@ -138,16 +159,18 @@ def figures(arm: str, run: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| # | workload | arm | s/step (range) | generate / prepare / reward / train / sync | GPU peak GiB (NVML) | "
-             "reward first → last | exit |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| # | workload | arm | seed | s/step (range) | generate / prepare / reward / train / sync | "
+             "GPU peak GiB (NVML) | reward first → last | held-out (step: reward) | exit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         ph = r.get("phases_s")
         cells = " / ".join(f"{ph[p]:.3f}" for p in PHASES[:5]) if ph else "–"
         rng = r.get("s_per_step_range")
         s = f"{r['s_per_step']:.3f} ({rng[0]:.2f}–{rng[1]:.2f})" if r.get("s_per_step") else "–"
         fl = r.get("reward_first_last") or ["–", "–"]
-        lines.append(f"| {r['order']} | {r['workload']} | {r['arm']} | {s} | {cells} | {r.get('nvml_peak_gib')} | "
-                     f"{fl[0]} → {fl[1]} | {r['exit']} |")  # fmt: skip
+        held = ", ".join(f"{step}: {v:.3f}" for step, v in r.get("eval_reward", [])) or "–"
+        lines.append(f"| {r['order']} | {r['workload']} | {r['arm']} | {r.get('seed', 0)} | {s} | {cells} | "
+                     f"{r.get('nvml_peak_gib')} | {fl[0]} → {fl[1]} | {held} | {r['exit']} |")  # fmt: skip
     by_arm: dict = {}
     for r in results:
         if r.get("s_per_step") and r["exit"] == 0:
@@ -165,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", type=Path, help="SmolLM2-135M-Instruct as a transformers directory")
     p.add_argument("--data", type=Path, help="gsm_symbolic_train.jsonl")
-    p.add_argument("--workload", choices=("c256", "d256"), default="c256")
+    p.add_argument("--workload", choices=("c256", "d256", "arith"), default="c256")
+    p.add_argument("--seeds", default="0", help="trainer.seed of each run, comma-separated: the order runs per seed")
     p.add_argument("--order", default="overlap,off,trl,overlap,off,trl", help=f"arms, comma-separated: {ARMS}")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
@@ -182,29 +206,34 @@ def main(argv: list[str] | None = None) -> int:
     order = a.order.split(",")
     if unknown := sorted(set(order) - set(ARMS)):
         p.error(f"--order: unknown arm(s) {unknown}; the arms are {', '.join(ARMS)}")
-    if a.model is None or a.data is None:
-        p.error("--model and --data are needed")
+    if a.model is None or (a.data is None and a.workload != "arith"):
+        p.error("--model and --data are needed (arith: --model)")
+    if a.workload == "arith" and "trl" in order:
+        p.error("--order: the arith workload compares overlap and off only")
+    seeds = [int(x) for x in a.seeds.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)
     model = a.model
     if a.workload == "d256" and not a.dry_run:
         model = build_1p7b(a.model, a.out / "smollm2-1.7b-shape")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    for k, arm in enumerate(order, start=1):
-        run = a.out / f"{a.workload}-{k}-{arm}"
-        argv_k = command(arm, a.workload, model, a.data, run, a.steps, a.sets)
-        print(f"[{k}/{len(order)}] {shlex.join(argv_k)}", flush=True)
+    runs = [(arm, seed) for seed in seeds for arm in order]
+    for k, (arm, seed) in enumerate(runs, start=1):
+        name = f"{a.workload}-{k}-{arm}" + (f"-s{seed}" if len(seeds) > 1 else "")
+        run = a.out / name
+        argv_k = command(arm, a.workload, model, a.data, run, a.steps, a.sets, seed)
+        print(f"[{k}/{len(runs)}] {shlex.join(argv_k)}", flush=True)
         if a.dry_run:
             continue
         peak = PeakMemory()
         peak.start()
         started = time.time()
-        with open(a.out / f"{a.workload}-{k}-{arm}.log", "w") as log:
+        with open(a.out / f"{name}.log", "w") as log:
             try:
                 code = subprocess.run(argv_k, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                       timeout=a.timeout).returncode  # fmt: skip
             except subprocess.TimeoutExpired:
                 code = 124
-        row = {"order": k, "workload": a.workload, "arm": arm, "exit": code, "wall_s": round(time.time() - started, 1),
+        row = {"order": k, "workload": a.workload, "arm": arm, "seed": seed, "exit": code, "wall_s": round(time.time() - started, 1),
                "nvml_peak_gib": peak.stop(), **figures(arm, run), "command": shlex.join(argv_k)}  # fmt: skip
         with results_file.open("a") as f:
             f.write(json.dumps(row) + "\n")
