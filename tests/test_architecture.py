@@ -28,6 +28,7 @@ LEVELS = {
     "prompts": 1,
     "rewards": 1,
     "data_check": 1.5,
+    "prompt_length": 1.5,  # the data's longest prompt in tokens (imports prompts)
     "tools": 1.5,  # tools and environments by name (imports rewards' loader)
     "warm_start": 0.5,  # the tiny-calc warm start (imports nothing of ours; its task generator is a copy)
     "builtin_model": 1,

@@ -167,9 +167,9 @@ def _kv_cache(resolved: Resolved, lay: Layout, prompt_tokens: int | None) -> dic
     """vLLM's KV cache for one generation batch of this rank's engine (Estimate.kv)."""
     t, g = resolved.recipe.trainer, resolved.recipe.generation
     tp = g.tensor_parallel_size
-    # Sequences: generation.max_model_length bounds prompt + completion; without it the prompt length is assumed.
-    comp, mml = t.max_completion_length, g.max_model_length
-    prompt = prompt_tokens or (mml - comp if mml else ASSUMED_PROMPT_TOKENS)
+    # Prompt: measured (pre-flight), else max_model_length less the completion, else assumed; mml bounds the sum
+    comp, mml, measured = t.max_completion_length, g.max_model_length, resolved.preflight.longest_prompt
+    prompt = prompt_tokens or (measured and measured.tokens) or (mml - comp if mml else ASSUMED_PROMPT_TOKENS)
     seq = min(prompt + comp, mml or prompt + comp)
     max_len = mml or lay.max_positions  # vLLM refuses to start without KV room for one sequence this long
     gbs, steps = t.extra_args.get("generation_batch_size"), t.extra_args.get("steps_per_generation")
@@ -335,7 +335,7 @@ def _notes(
     """What the estimate assumed or left out, one line each."""
     notes = (
         []
-        if resolved.recipe.generation.max_model_length or prompt_tokens
+        if resolved.recipe.generation.max_model_length or prompt_tokens or resolved.preflight.longest_prompt
         else [
             f"prompt length assumed to be {ASSUMED_PROMPT_TOKENS} tokens (no "
             "generation.max_model_length); --prompt-tokens sets it"

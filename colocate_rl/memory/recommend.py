@@ -236,6 +236,7 @@ def recommendation_lines(rec: Recommendation, ram_gib: float | None = None) -> l
         f"generation batch: {kv['sequences']} sequences per vLLM engine × {kv['tokens']} tokens (prompt ≤ "
         f"{kv['prompt_tokens']} + completion {kv['completion_tokens']}), KV {kv['bytes_per_token']:,} B/token → "
         f"{kv['gib']:.2f} GiB; the recipe's share ({b.util}) holds {b.max_seqs(b.util):,} such sequences",
+        *([f"prompt length: {lp.line(r.data.source)}"] if (lp := b.resolved.preflight.longest_prompt) else []),
         f"window for generation.vllm_gpu_memory_utilization: {b.lower:.3f} (vLLM weights + KV + "
         f"{VLLM_ALLOWANCE_GIB:g} GiB allowance = {b.need_gib:.2f} GiB) to {b.upper:.3f} (what the trainer's "
         f"{b.fixed[b.upper_phase]:.2f} GiB leave during {b.upper_phase})",

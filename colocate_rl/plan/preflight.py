@@ -35,6 +35,7 @@ from colocate_rl.model_config import (
 from colocate_rl.plan.evaluation import check_eval
 from colocate_rl.plan.lora import check_lora_targets
 from colocate_rl.plan.tools import check_tools
+from colocate_rl.prompt_length import LongestPrompt, longest_prompt
 from colocate_rl.recipe.schema import Recipe
 
 
@@ -64,6 +65,7 @@ class Preflight:
     problems: tuple[str, ...] = ()  # model, data and reward lines, in that order
     eval_problems: tuple[str, ...] = ()  # the eval section's (besides its schedule)
     launch_problems: tuple[str, ...] = ()  # what the ranks would miss on this machine (see the module docstring)
+    longest_prompt: LongestPrompt | None = None  # the data's longest prompt in tokens, where it can be measured here
 
     def matches(self, recipe: Recipe) -> bool:
         """Whether this pre-flight read what `recipe` names (a variant that changes only other keys reuses it)."""
@@ -234,4 +236,9 @@ def preflight(recipe: Recipe) -> Preflight:
         problems=(*model_problems, *data_problems, *reward_problems, *tool_problems),
         eval_problems=tuple(check_eval(recipe, sample, functions)),
         launch_problems=tuple(_launch_problems(recipe, layout, config, not model_problems)),
+        longest_prompt=(
+            longest_prompt(recipe, recipe.model.name)
+            if layout is None and config is not None and not model_problems and not data_problems
+            else None
+        ),
     )
