@@ -143,6 +143,9 @@ def figures(arm: str, run: Path) -> dict:
     if arm != "trl" and tail:
         out["phases_s"] = {p: round(statistics.median(r.get(f"time/{p}_s", 0.0) for r in tail), 4) for p in PHASES}
         out["overlap_ahead"] = [r.get("overlap/ahead") for r in rows]
+        engine = [r["overlap/engine_generate_s"] for r in tail if "overlap/engine_generate_s" in r]
+        if engine:  # the engine process's own generation time: beside training, against `off`'s generate phase
+            out["engine_generate_s"] = round(statistics.median(engine), 4)
         out["torch_peak_gib"] = max(r.get("mem/gpu_peak_gib", 0.0) for r in rows)
     if arm == "trl" and rows:
         out["torch_peak_gib"] = max(r.get("torch_peak_gib", 0.0) for r in rows)

@@ -138,6 +138,7 @@ def test_an_overlapped_run_learns_with_each_batch_generated_a_step_ahead(tmp_pat
     steps = step_records(run_dir)
     assert len(steps) == 40
     assert [r["overlap/ahead"] for r in steps] == [0.0] + [1.0] * 39
+    assert all(r["overlap/engine_generate_s"] > 0 for r in steps)  # timed in the engine process
     values = [r["reward"] for r in steps]
     assert sum(values[-5:]) / 5 > sum(values[:5]) / 5 + 0.5, values
     log = (run_dir / "train.log").read_text()

@@ -68,6 +68,7 @@ class Generation:
 
     completion_ids: list[list[int]]
     logprobs: list[list[float | None]] | None = None
+    engine_s: float | None = None  # seconds an engine process spent generating it (overlap hides them)
 
     def placed(self, at: list[int], n: int) -> Generation:
         """This generation's completions (one per prompt of `at`) at those positions of `n` prompts, no completion

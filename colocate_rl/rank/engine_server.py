@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -173,7 +174,9 @@ def serve(conn, spec: dict[str, Any]) -> None:
             if op == "stage":
                 buffer = args
             elif op == "generate":
+                started = time.perf_counter()
                 result = engine.generate(*args)
+                result.engine_s = time.perf_counter() - started
             elif op == "load":
                 engine.load(staged(buffer, args))
             elif op == "check":

@@ -185,6 +185,8 @@ class _EngineHooks:
                 next_ids = tokenize_prompts(self, [row["prompt"] for row in self._ahead[0]])
                 self._pending = (next_ids, sampling, self.engine.submit(next_ids, sampling))
         self._metrics["train"]["overlap/ahead"].append(ahead)
+        if out.engine_s is not None:  # how long the engine process took for it, beside the trainer when ahead
+            self._metrics["train"]["overlap/engine_generate_s"].append(out.engine_s)
         return out
 
     def _engine_generate(self, prompt_ids, images, multimodal_fields, logprobs: bool = True) -> Generation:
