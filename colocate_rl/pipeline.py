@@ -42,14 +42,13 @@ if TYPE_CHECKING:
 
 def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolved:
     """Bind `recipe` to `host` (over its pre-flight `pre`, run here when not given) and resolve the keys that are
-    auto by the memory estimate: the layout (the fastest that fits, estimated with vLLM asleep), then
-    `generation.sleep_level` for that layout (0 when trainer and vLLM fit together, else 2), then
-    `trainer.micro_batch_size` (the largest that fits at that level; nothing to choose when the step is one
-    micro-batch); `generation.overlap: auto` after the sleep level (one_step when vLLM stays awake and nothing rules
-    it out; one_step itself makes `sleep_level: auto` 0); the resolved recipe holds the sleep level, overlap and
-    micro-batch chosen, `recorded_recipe()` every value.
-    Raise one UserError listing every problem."""
-    from colocate_rl.memory.autolayout import choose_layout, choose_sleep_level, with_sleep_level
+    auto by the memory estimate: vLLM's share (what one generation batch needs + a margin), the layout (the fastest
+    that fits, estimated with vLLM asleep), `generation.sleep_level` for it (0 when trainer and vLLM fit together,
+    else 2), then `trainer.micro_batch_size` (the largest that fits; none to choose when the step is one micro-batch);
+    `generation.overlap: auto` after the sleep level (one_step when vLLM stays awake and nothing rules it out;
+    one_step itself makes `sleep_level: auto` 0); the resolved recipe holds the share, sleep level, overlap and
+    micro-batch chosen, `recorded_recipe()` every value. Raise one UserError listing every problem."""
+    from colocate_rl.memory import autolayout as al
     from colocate_rl.memory.micro_batch import choose_micro_batch, with_micro_batch
     from colocate_rl.plan.overlap import choose_overlap
 
@@ -57,11 +56,16 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
     auto_sleep = recipe.generation.sleep_level == "auto"
     overlap = recipe.generation.overlap
     if auto_sleep:  # one_step keeps vLLM awake: 0, decided by the recipe rather than by memory
-        recipe = with_sleep_level(recipe, 0 if overlap == "one_step" else 2)
+        recipe = al.with_sleep_level(recipe, 0 if overlap == "one_step" else 2)
     if isinstance(recipe.trainer.micro_batch_size, int):
         recipe = with_micro_batch(recipe, recipe.trainer.micro_batch_size)
+    if auto_share := recipe.generation.vllm_gpu_memory_utilization == "auto":  # any: the batch's need is the same
+        recipe = al.with_share(recipe, al.DEFAULT_SHARE)
     resolved = bind_to_host(recipe, host, pre)
     gpu_gib = min(g.memory_gib for g in host.gpus) if host.gpus else None
+    if auto_share:  # first: the layout, sleep level and micro-batch are chosen for what the trainer has left
+        share = al.choose_share(resolved, gpu_gib)
+        resolved = replace(resolved, recipe=al.with_share(resolved.recipe, share.share), share_choice=share)
     dist, trainer = recipe.distributed, recipe.trainer
     auto_stage = dist.zero_stage == "auto"
     if auto_stage or trainer.gradient_checkpointing == "auto":
@@ -70,7 +74,7 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
             tools = check_tool_layout(recipe, resolved.backend, resolved.nproc_per_node, config)
             return check_engine(recipe, config) + tools
 
-        choice = choose_layout(
+        choice = al.choose_layout(
             resolved, gpu_gib, valid=lambda config: not layout_problems(config), ram_gib=host.ram_gib
         )
         engine_problems = layout_problems(choice.deepspeed) if auto_stage else []
@@ -83,8 +87,8 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
             layout_choice=choice,
         )
     if auto_sleep and overlap != "one_step":
-        sleep = choose_sleep_level(resolved, gpu_gib)
-        resolved = replace(resolved, recipe=with_sleep_level(resolved.recipe, sleep.level), sleep_choice=sleep)
+        sleep = al.choose_sleep_level(resolved, gpu_gib)
+        resolved = replace(resolved, recipe=al.with_sleep_level(resolved.recipe, sleep.level), sleep_choice=sleep)
     if overlap == "auto":
         choice = choose_overlap(resolved.recipe, resolved.backend, auto_sleep)
         gen = resolved.recipe.generation.model_copy(update={"overlap": "one_step" if choice.on else "off"})

@@ -275,8 +275,9 @@ def test_resume_of_a_run_dir_written_before_every_value_was_recorded(tmp_path):
     written = started.recipe.model_copy(
         update={"output": started.recipe.output.model_copy(update={"run_dir": str(run_dir)})}
     )
-    # sleep level and micro-batch: resolved into the recipe; overlap: off by default (auto only when asked)
+    # sleep level, micro-batch: resolved into the recipe; overlap, vLLM's share: not auto by default (only when asked)
     assert set(auto_keys(written)) == set(AUTO_KEYS) - {
+        "generation.vllm_gpu_memory_utilization",
         "generation.sleep_level",
         "trainer.micro_batch_size",
         "generation.overlap",

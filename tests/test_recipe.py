@@ -48,7 +48,8 @@ def errors_of(data, host=CPU):
         ),
         (
             with_(generation={"vllm_gpu_memory_utilization": 1.5}),
-            "generation.vllm_gpu_memory_utilization: input should be less than or equal to 1 (got 1.5)",
+            "generation.vllm_gpu_memory_utilization: input should be less than or equal to 1 or input should be 'auto' "
+            "(got 1.5)",
         ),
         (
             with_(distributed={"nproc_per_node": "many"}),

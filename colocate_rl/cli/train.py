@@ -171,11 +171,12 @@ def choice_lines(resolved) -> list[str]:
     layout, sleep = resolved.layout_choice, resolved.sleep_choice
     if resolved.backend != "vllm":
         return lines
+    first = int(resolved.share_choice is not None)  # the share's line comes before the layout's
     if layout is not None and layout.limit_gib is not None:
         level = 2 if sleep is not None else resolved.recipe.generation.sleep_level
-        lines[0] += f"; peaks with vLLM {'asleep' if level else 'awake'} while training (sleep level {level})"
+        lines[first] += f"; peaks with vLLM {'asleep' if level else 'awake'} while training (sleep level {level})"
     if sleep is not None and sleep.peak_gib is not None:
-        at = len(layout.lines()) if layout is not None else 0
+        at = first + (len(layout.lines()) if layout is not None else 0)
         lines[at] += "; peak with vLLM awake while training"
     return lines
 

@@ -30,13 +30,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from colocate_rl.errors import UserError
-from colocate_rl.plan.choices import Candidate, LayoutChoice, SleepChoice, Tried
+from colocate_rl.plan.choices import Candidate, LayoutChoice, ShareChoice, SleepChoice, Tried
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deepspeed_config, load_base_config
+from colocate_rl.recipe.generation import GenerationSection
 
 if TYPE_CHECKING:
     from colocate_rl.plan.resolved import Resolved
     from colocate_rl.recipe.schema import Recipe
 
+DEFAULT_SHARE = GenerationSection.model_fields["vllm_gpu_memory_utilization"].default
 LAYOUT_HEADROOM = 0.10  # of the GPU's memory (and of host RAM), kept free above a candidate's estimated peak
 # (stage, offload optimizer, offload params), fastest first: see the module docstring
 STAGES = ((2, False, False), (3, False, False), (3, True, False), (3, True, True))
@@ -191,6 +193,33 @@ def confirm_choice(choice: LayoutChoice, measured_peak_gib: float) -> tuple[bool
     return False, (
         f"{label} not confirmed: measured peak {measured_peak_gib:.2f} GiB exceeds the limit "
         f"{choice.limit_gib:.1f} GiB ({est_text}{choice.margin:.0%} margin); {fix}"
+    )
+
+
+def with_share(recipe: Recipe, share: float) -> Recipe:
+    """A copy of `recipe` with `generation.vllm_gpu_memory_utilization` set to `share`."""
+    gen = recipe.generation.model_copy(update={"vllm_gpu_memory_utilization": share})
+    return recipe.model_copy(update={"generation": gen})
+
+
+def choose_share(resolved: Resolved, gpu_gib: float | None) -> ShareChoice:
+    """`generation.vllm_gpu_memory_utilization: auto`: the share one generation batch needs by the estimate (vLLM's
+    weights, the batch's KV cache, the allowance) plus SHARE_MARGIN, what `mem-probe --estimate` recommends; the
+    schema's default 0.3 where nothing can be sized (no vLLM on a GPU here, or no estimate of the model)."""
+    from colocate_rl.memory.estimate import SHARE_MARGIN, estimate
+
+    if gpu_gib is None or resolved.backend != "vllm":
+        return ShareChoice(DEFAULT_SHARE, f"no vLLM on a GPU here (generation with {resolved.backend}): the default")
+    if resolved.recipe.generation.kv_cache_memory is not None:
+        return ShareChoice(DEFAULT_SHARE, "generation.kv_cache_memory sizes vLLM's memory instead: the default")
+    try:
+        e = estimate(resolved, gpu_gib)
+    except UserError as err:  # unknown layout: no estimate possible
+        return ShareChoice(DEFAULT_SHARE, f"no estimate ({err.lines[0]}): the default")
+    return ShareChoice(
+        e.chosen,
+        f"vLLM's weights, one generation batch's KV cache ({e.kv['gib']:.2f} GiB) and its allowance = "
+        f"{e.need_gib:.2f} GiB ({e.lower:.3f} of {gpu_gib:.1f} GiB) + {SHARE_MARGIN:.0%} of the GPU",
     )
 
 

@@ -145,6 +145,20 @@ def _cand_json(c: Candidate) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class ShareChoice:
+    """What `generation.vllm_gpu_memory_utilization: auto` chose and why."""
+
+    share: float
+    reason: str
+
+    def line(self) -> str:
+        return f"generation.vllm_gpu_memory_utilization auto: {self.share:g} — {self.reason}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"share": self.share, "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class SleepChoice:
     """What `generation.sleep_level: auto` chose and why; the estimated peak at sleep 0 and the limit it was held to
     (None when nothing was estimated)."""

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from colocate_rl.plan.choices import LayoutChoice, MicroBatchChoice, OverlapChoice, SleepChoice
+from colocate_rl.plan.choices import LayoutChoice, MicroBatchChoice, OverlapChoice, ShareChoice, SleepChoice
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout
 from colocate_rl.plan.host import Host
 from colocate_rl.plan.overlap import engine_in_process
@@ -22,6 +22,7 @@ AUTO_KEYS = (
     "distributed.zero_stage",
     "model.dtype",
     "generation.backend",
+    "generation.vllm_gpu_memory_utilization",
     "generation.sleep_level",
     "generation.overlap",
     "generation.engine_process",
@@ -65,6 +66,7 @@ class Resolved:
     builtin_layout: str | None  # set when model.name is builtin:<layout>
     preflight: Preflight  # what the recipe's files said: the estimate reads the model's config from it
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing as resolved (auto → chosen)
+    share_choice: ShareChoice | None = None  # when generation.vllm_gpu_memory_utilization is auto (recipe holds it)
     layout_choice: LayoutChoice | None = None  # what auto chose, when zero_stage or gradient_checkpointing is auto
     sleep_choice: SleepChoice | None = None  # what auto chose, when generation.sleep_level is auto (recipe holds it)
     micro_batch_choice: MicroBatchChoice | None = None  # when trainer.micro_batch_size is auto (recipe holds it)
@@ -73,7 +75,8 @@ class Resolved:
     def choice_lines(self) -> list[str]:
         """What each `auto` chose and why, one line each (the layout may take several)."""
         return (
-            (self.layout_choice.lines() if self.layout_choice is not None else [])
+            ([self.share_choice.line()] if self.share_choice is not None else [])
+            + (self.layout_choice.lines() if self.layout_choice is not None else [])
             + ([self.sleep_choice.line()] if self.sleep_choice is not None else [])
             + ([self.micro_batch_choice.line()] if self.micro_batch_choice is not None else [])
             + ([self.overlap_choice.line()] if self.overlap_choice is not None else [])

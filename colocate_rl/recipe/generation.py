@@ -6,7 +6,7 @@ Mapped to the engine's options by `colocate_rl.plan.engine_options`; overlap and
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 
@@ -21,8 +21,12 @@ class GenerationSection(BaseModel):
     backend: Literal["auto", "vllm", "transformers"] = Field(
         "auto", description="auto = colocated vLLM when a GPU and vLLM are present, else transformers."
     )
-    vllm_gpu_memory_utilization: float = Field(
-        0.3, gt=0, le=1, description="Share of each GPU's memory vLLM may take (weights + KV cache)."
+    vllm_gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | Literal["auto"] = Field(
+        0.3,
+        description="Share of each GPU's memory vLLM may take (weights + KV cache); auto = what one generation batch "
+        "needs by the memory estimate (vLLM's weights, the batch's KV cache and an allowance) plus 5 % of the GPU, "
+        "as mem-probe recommends: the trainer gets the rest (larger micro-batches; a bigger share buys vLLM "
+        "nothing). Without a GPU to size it for: 0.3.",
     )
     tensor_parallel_size: Count = Field(
         1, description="vLLM tensor-parallel group size (contiguous ranks of one node; divides nproc_per_node)."
