@@ -131,9 +131,23 @@ def step_rows(arm: str, run: Path) -> list[dict]:
     return step_records(run)
 
 
-def figures(arm: str, run: Path) -> dict:
+def training_start(run: Path) -> float | None:
+    """When rank 0 began its first step (epoch seconds, from its timeline), or None."""
+    path = run / "timeline" / "rank0.jsonl"
+    if not path.is_file():
+        return None
+    with path.open() as f:
+        t0 = json.loads(f.readline())["t0"]
+        first = next((json.loads(line) for line in f if '"phase"' in line), None)
+    return None if first is None else t0 + first["t"]
+
+
+def figures(arm: str, run: Path, started: float | None = None) -> dict:
     rows = step_rows(arm, run)
     out: dict = {"steps": len(rows)}
+    begun = training_start(run) if arm != "trl" else None
+    if begun is not None and started is not None:  # launch, model, engine start (vLLM's compile, graphs): until step 1
+        out["startup_s"] = round(begun - started, 1)
     later = [(a, b) for a, b in zip(rows, rows[1:]) if b["step"] >= 3 and b["step"] == a["step"] + 1]
     if later:
         out["s_per_step"] = round(statistics.median(b["wall_s"] - a["wall_s"] for a, b in later), 4)
@@ -237,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 code = 124
         row = {"order": k, "workload": a.workload, "arm": arm, "seed": seed, "exit": code, "wall_s": round(time.time() - started, 1),
-               "nvml_peak_gib": peak.stop(), **figures(arm, run), "command": shlex.join(argv_k)}  # fmt: skip
+               "nvml_peak_gib": peak.stop(), **figures(arm, run, started), "command": shlex.join(argv_k)}  # fmt: skip
         with results_file.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)

@@ -1,0 +1,72 @@
+"""benchmarks/bench_overlap.py's helpers on CPU. The driver itself cannot run here: every run is a GPU run with vLLM
+(or TRL's colocated vLLM), so its commands are checked against the recipe schema, and its figures are read from a
+run directory this CPU machine writes with a real overlapped `colocate-rl train` (slow)."""
+
+import json
+
+import pytest
+from conftest import ROOT, import_benchmark, start
+
+from colocate_rl.recipe.load import apply_overrides, parse_recipe, parse_sets, read_yaml
+
+B = import_benchmark("bench_overlap")
+
+
+def recipe_of(argv: list[str]):
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    return parse_recipe(apply_overrides(read_yaml(ROOT / B.RECIPE), parse_sets(sets)))
+
+
+@pytest.mark.parametrize("workload", ["c256", "arith"])
+def test_each_arm_runs_the_recipe_with_overlap_on_or_off(workload, tmp_path):
+    data = None if workload == "arith" else tmp_path / "d.jsonl"
+    for arm, overlap in (("overlap", "one_step"), ("off", "off")):
+        r = recipe_of(B.command(arm, workload, tmp_path / "m", data, tmp_path / "run", 12, [], seed=1))
+        assert (r.generation.overlap, r.trainer.max_steps, r.trainer.seed) == (overlap, 12, 1)
+        completions = r.trainer.per_device_train_batch_size * r.trainer.gradient_accumulation_steps
+        if workload == "c256":
+            assert (completions, r.eval.every_steps, r.data.source) == (256, None, str(data))
+        else:
+            assert (completions, r.eval.every_steps, r.data.source) == (64, 20, "builtin:arithmetic")
+            assert [x.name for x in r.rewards] == ["math_verify"]
+
+
+def test_trl_runs_its_own_script_with_the_micro_batch_set_by_hand(tmp_path):
+    argv = B.command("trl", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, [])
+    assert argv[1] == "benchmarks/trl_grpo.py"
+    assert argv[argv.index("--micro-batch") + 1 :][:3] == ["128", "--grad-accum", "2"]
+
+
+def test_a_bad_order_is_refused(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        B.main(["--out", str(tmp_path), "--model", "/m", "--data", "/d", "--order", "overlap,fast"])
+    assert "unknown arm(s) ['fast']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        B.main(["--out", str(tmp_path), "--model", "/m", "--workload", "arith", "--order", "overlap,trl"])
+    assert "compares overlap and off only" in capsys.readouterr().err
+
+
+def test_the_table_pools_each_arm_and_sets_it_against_trl():
+    rows = [
+        {"order": 1, "workload": "c256", "arm": "overlap", "exit": 0, "s_per_step": 2.0, "s_per_step_range": [1, 3]},
+        {"order": 2, "workload": "c256", "arm": "trl", "exit": 0, "s_per_step": 4.0, "s_per_step_range": [3, 5]},
+        {"order": 3, "workload": "c256", "arm": "overlap", "exit": 0, "s_per_step": 2.2, "s_per_step_range": [1, 3]},
+        {"order": 4, "workload": "c256", "arm": "off", "exit": 1},
+    ]
+    text = B.table(rows)
+    assert "| c256 | overlap | 2 | 2.100 | 1.90× |" in text and "| c256 | trl | 1 | 4.000 | 1.00× |" in text
+    assert "| c256 | off |" not in text.split("pooled")[1]  # a failed run is not pooled
+
+
+@pytest.mark.slow  # a real overlapped run through torchrun on CPU (transformers in the engine process)
+def test_figures_come_from_a_real_overlapped_run(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run, "quickstart", "--set", "generation.overlap=one_step", "--set", "trainer.max_steps=6")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    first = json.loads((run / "timeline" / "rank0.jsonl").read_text().splitlines()[0])
+    f = B.figures("overlap", run, started=first["t0"])
+    assert f["steps"] == 6 and f["overlap_ahead"] == [0.0] + [1.0] * 5
+    assert 0 < f["s_per_step"] and f["s_per_step_range"][0] <= f["s_per_step"] <= f["s_per_step_range"][1]
+    assert f["engine_generate_s"] > 0 and set(f["phases_s"]) == set(B.PHASES)
+    assert 0 < f["startup_s"] < 600  # from rank 0's start to its first step
