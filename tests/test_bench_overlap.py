@@ -34,7 +34,9 @@ def test_each_arm_runs_the_recipe_with_overlap_on_or_off(workload, tmp_path):
 def test_trl_runs_its_own_script_with_the_micro_batch_set_by_hand(tmp_path):
     argv = B.command("trl", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, [])
     assert argv[1] == "benchmarks/trl_grpo.py"
-    assert argv[argv.index("--micro-batch") + 1 :][:3] == ["128", "--grad-accum", "2"]
+    assert argv[argv.index("--micro-batch") + 1 :] == ["128", "--grad-accum", "2", "--share", "0.3"]
+    lean = B.command("trl-lean", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, [])
+    assert lean[lean.index("--micro-batch") + 1 :] == ["256", "--grad-accum", "1", "--share", "0.1"]
 
 
 def test_a_bad_order_is_refused(capsys, tmp_path):
