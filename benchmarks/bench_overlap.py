@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Overlap (issue 28), side by side in one invocation on one GPU: colocate-rl with `generation.overlap: one_step`,
 colocate-rl without, and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-batch set by hand: `trl` at share 0.3,
-`trl-lean` at the share one batch needs with the larger micro-batch), in the order given (default A-B-C-A-B-C), on 256 completions per step of recipes/smollm2-135m-gsm8k.yaml's task.
+`trl-lean` at the share one batch needs with the larger micro-batch), in the order given (default A-B-C-A-B-C), on
+256 completions per step of recipes/smollm2-135m-gsm8k.yaml's task.
 
 Workloads: `c256` SmolLM2-135M-Instruct (`--model`); `d256` a random-init model of SmolLM2-1.7B's shape with the same
 tokenizer, built once into OUT/smollm2-1.7b-shape from `--model` (config changed, weights random, bf16); `arith` the
