@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Overlap (issue 28), side by side in one invocation on one GPU: colocate-rl with `generation.overlap: one_step`,
-colocate-rl without, and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-batch set by hand: `trl` at share 0.3,
+colocate-rl without (`off`; `process`: without, the engine in its own process, for its generation speed alone),
+and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-batch set by hand: `trl` at share 0.3,
 `trl-lean` at the share one batch needs with the larger micro-batch), in the order given (default A-B-C-A-B-C), on
 256 completions per step of recipes/smollm2-135m-gsm8k.yaml's task.
 
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
-ARMS = ("overlap", "off", "trl", "trl-lean")
+ARMS = ("overlap", "off", "process", "trl", "trl-lean")  # process: no overlap, the engine in its own process
 PHASES = ("generate", "prepare", "reward", "train", "weight_sync", "optimizer")
 SHAPE_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                   intermediate_size=8192)  # fmt: skip
@@ -98,6 +99,7 @@ def command(
         f"trainer.max_steps={steps}",
         f"trainer.seed={seed}",
         f"generation.overlap={'one_step' if arm == 'overlap' else 'off'}",
+        *(["generation.engine_process=true"] if arm == "process" else []),
         *sets,
     ]
     argv = [sys.executable, "-m", "colocate_rl", "train", RECIPE, "--run-dir", str(run)]
@@ -167,7 +169,7 @@ def figures(arm: str, run: Path, started: float | None = None) -> dict:
     if not trl and tail:
         out["phases_s"] = {p: round(statistics.median(r.get(f"time/{p}_s", 0.0) for r in tail), 4) for p in PHASES}
         out["overlap_ahead"] = [r.get("overlap/ahead") for r in rows]
-        engine = [r["overlap/engine_generate_s"] for r in tail if "overlap/engine_generate_s" in r]
+        engine = [r["engine_process/generate_s"] for r in tail if "engine_process/generate_s" in r]
         if engine:  # the engine process's own generation time: beside training, against `off`'s generate phase
             out["engine_generate_s"] = round(statistics.median(engine), 4)
         out["torch_peak_gib"] = max(r.get("mem/gpu_peak_gib", 0.0) for r in rows)

@@ -20,9 +20,10 @@ def recipe_of(argv: list[str]):
 @pytest.mark.parametrize("workload", ["c256", "arith"])
 def test_each_arm_runs_the_recipe_with_overlap_on_or_off(workload, tmp_path):
     data = None if workload == "arith" else tmp_path / "d.jsonl"
-    for arm, overlap in (("overlap", "one_step"), ("off", "off")):
+    for arm, overlap, process in (("overlap", "one_step", "auto"), ("off", "off", "auto"), ("process", "off", True)):
         r = recipe_of(B.command(arm, workload, tmp_path / "m", data, tmp_path / "run", 12, [], seed=1))
         assert (r.generation.overlap, r.trainer.max_steps, r.trainer.seed) == (overlap, 12, 1)
+        assert r.generation.engine_process == process
         completions = r.trainer.per_device_train_batch_size * r.trainer.gradient_accumulation_steps
         if workload == "c256":
             assert (completions, r.eval.every_steps, r.data.source) == (256, None, str(data))

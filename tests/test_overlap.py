@@ -138,12 +138,26 @@ def test_an_overlapped_run_learns_with_each_batch_generated_a_step_ahead(tmp_pat
     steps = step_records(run_dir)
     assert len(steps) == 40
     assert [r["overlap/ahead"] for r in steps] == [0.0] + [1.0] * 39
-    assert all(r["overlap/engine_generate_s"] > 0 for r in steps)  # timed in the engine process
+    assert all(r["engine_process/generate_s"] > 0 for r in steps)  # timed in the engine process
     values = [r["reward"] for r in steps]
     assert sum(values[-5:]) / 5 > sum(values[:5]) / 5 + 0.5, values
     log = (run_dir / "train.log").read_text()
     assert log.count("(transformers) ready; staging buffer") == 2  # one engine process per rank
     assert "overlap one_step, engine in its own process" in out
+
+
+@pytest.mark.slow
+def test_without_overlap_the_engine_process_generates_each_batch_in_turn(tmp_path):
+    """generation.engine_process: true with overlap off (bench_overlap's `process` arm: the engine process's own
+    generation speed, nothing beside it): every step generates now, and its time in the engine process is logged."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "quickstart", *DDP, "--set", "generation.engine_process=true", "--set", "trainer.max_steps=4")
+    out, _ = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, out + (run_dir / "train.log").read_text()[-5000:]
+    steps = step_records(run_dir)
+    assert len(steps) == 4 and not any("overlap/ahead" in r for r in steps)
+    assert all(0 < r["engine_process/generate_s"] <= r["time/generate_s"] for r in steps)  # within the phase
+    assert (run_dir / "train.log").read_text().count("(transformers) ready; staging buffer") == 2
 
 
 @pytest.mark.slow

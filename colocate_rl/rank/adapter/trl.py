@@ -168,6 +168,9 @@ class _EngineHooks:
                 part = self.engine.generate(prompt_ids[i : i + step], sampling)
                 out.completion_ids += part.completion_ids
                 out.logprobs = None if out.logprobs is None or part.logprobs is None else out.logprobs + part.logprobs
+                if part.engine_s is not None:
+                    out.engine_s = (out.engine_s or 0.0) + part.engine_s
+            self._log_engine_time(out)
             return out
 
     def _overlapped(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
@@ -185,9 +188,14 @@ class _EngineHooks:
                 next_ids = tokenize_prompts(self, [row["prompt"] for row in self._ahead[0]])
                 self._pending = (next_ids, sampling, self.engine.submit(next_ids, sampling))
         self._metrics["train"]["overlap/ahead"].append(ahead)
-        if out.engine_s is not None:  # how long the engine process took for it, beside the trainer when ahead
-            self._metrics["train"]["overlap/engine_generate_s"].append(out.engine_s)
+        self._log_engine_time(out)
         return out
+
+    def _log_engine_time(self, out: Generation) -> None:
+        """`engine_process/generate_s`: how long an engine process took for a training batch (beside the trainer
+        when it was generated ahead)."""
+        if out.engine_s is not None and self.model.training:
+            self._metrics["train"]["engine_process/generate_s"].append(out.engine_s)
 
     def _engine_generate(self, prompt_ids, images, multimodal_fields, logprobs: bool = True) -> Generation:
         if images is not None and any(i is not None for i in images) or multimodal_fields:
