@@ -35,17 +35,16 @@ class LongestPrompt:
 def _prompt_values(source: str, field: str, num_samples: int | None, seed: int) -> tuple[list, bool] | None:
     """The `field` values of the rows the ranks train on (num_samples: the first ones), whether that is all of them;
     None for data not read here."""
-    from colocate_rl.prompts import DEFAULT_BUILTIN_SIZE, FILE_KINDS, builtin_rows
+    from colocate_rl.prompts import DEFAULT_BUILTIN_SIZE, builtin_rows, source_kind
 
     limit = min(num_samples or MAX_ROWS, MAX_ROWS)
-    if source.startswith("builtin:"):
-        rows = builtin_rows(source.removeprefix("builtin:"), num_samples or DEFAULT_BUILTIN_SIZE, seed)
+    if source_kind(source) == "builtin":
+        rows = builtin_rows(source.split(":", 1)[1], num_samples or DEFAULT_BUILTIN_SIZE, seed)
         return [r.get(field) for r in rows], True
-    kind = FILE_KINDS.get(os.path.splitext(source)[1].lower())
     path = os.path.expanduser(source)
-    if kind is None or not os.path.isfile(path):
+    if source_kind(source) != "file" or not os.path.isfile(path):
         return None
-    if kind == "parquet":
+    if path.lower().endswith(".parquet"):
         import pyarrow.parquet as pq
 
         table = pq.ParquetFile(path)

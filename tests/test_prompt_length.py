@@ -81,3 +81,17 @@ def test_where_it_cannot_be_measured_here_the_estimate_keeps_its_assumption(mode
     r = recipe(model_dir, data, *(s.replace("tpl.jinja", str(tmp_path / "tpl.jinja")) for s in sets))
     assert r.preflight.longest_prompt is None, why
     assert estimate(r, 140.0).kv["prompt_tokens"] == 1024 - 64
+
+
+def test_a_builtin_task_and_a_parquet_file_are_measured_too(model_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    task = recipe(model_dir, "builtin:arithmetic", "data.prompt_field=prompt", "data.num_samples=100")
+    longest = task.preflight.longest_prompt
+    assert (longest.rows, longest.complete) == (100, True) and longest.tokens > 10
+    table = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"question": QUESTIONS}), table)
+    assert recipe(model_dir, table).preflight.longest_prompt == P.LongestPrompt(
+        rendered_tokens(model_dir, QUESTIONS[1]), 5, True
+    )
