@@ -1,11 +1,9 @@
 """benchmarks/bench_overlap.py's helpers on CPU. The driver itself cannot run here: every run is a GPU run with vLLM
 (or TRL's colocated vLLM), so its commands are checked against the recipe schema, and its figures are read from a
-run directory this CPU machine writes with a real overlapped `colocate-rl train` (slow)."""
-
-import json
+run directory a real CPU run writes in tests/test_overlap.py (the engine process without overlap: the `process` arm)."""
 
 import pytest
-from conftest import ROOT, import_benchmark, start
+from conftest import ROOT, import_benchmark
 
 from colocate_rl.recipe.load import apply_overrides, parse_recipe, parse_sets, read_yaml
 
@@ -59,17 +57,3 @@ def test_the_table_pools_each_arm_and_sets_it_against_trl():
     text = B.table(rows)
     assert "| c256 | overlap | 2 | 2.100 | 1.90× |" in text and "| c256 | trl | 1 | 4.000 | 1.00× |" in text
     assert "| c256 | off |" not in text.split("pooled")[1]  # a failed run is not pooled
-
-
-@pytest.mark.slow  # a real overlapped run through torchrun on CPU (transformers in the engine process)
-def test_figures_come_from_a_real_overlapped_run(tmp_path):
-    run = tmp_path / "run"
-    proc = start(run, "quickstart", "--set", "generation.overlap=one_step", "--set", "trainer.max_steps=6")
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    first = json.loads((run / "timeline" / "rank0.jsonl").read_text().splitlines()[0])
-    f = B.figures("overlap", run, started=first["t0"])
-    assert f["steps"] == 6 and f["overlap_ahead"] == [0.0] + [1.0] * 5
-    assert 0 < f["s_per_step"] and f["s_per_step_range"][0] <= f["s_per_step"] <= f["s_per_step_range"][1]
-    assert f["engine_generate_s"] > 0 and set(f["phases_s"]) == set(B.PHASES)
-    assert 0 < f["startup_s"] < 600  # from rank 0's start to its first step

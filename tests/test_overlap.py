@@ -18,6 +18,7 @@ from conftest import (
     assert_user_error,
     cli,
     cli_here,
+    import_benchmark,
     start,
     wait_for_steps,
     write_recipe,
@@ -158,6 +159,11 @@ def test_without_overlap_the_engine_process_generates_each_batch_in_turn(tmp_pat
     assert len(steps) == 4 and not any("overlap/ahead" in r for r in steps)
     assert all(0 < r["engine_process/generate_s"] <= r["time/generate_s"] for r in steps)  # within the phase
     assert (run_dir / "train.log").read_text().count("(transformers) ready; staging buffer") == 2
+    # what benchmarks/bench_overlap.py reads of such a run (its `process` arm)
+    started = json.loads((run_dir / "timeline" / "rank0.jsonl").read_text().splitlines()[0])["t0"]
+    f = import_benchmark("bench_overlap").figures("process", run_dir, started=started)
+    assert f["steps"] == 4 and f["s_per_step_range"][0] <= f["s_per_step"] <= f["s_per_step_range"][1]
+    assert f["engine_generate_s"] > 0 and 0 < f["startup_s"] < HANG_GUARD_S  # rank 0's start to its first step
 
 
 @pytest.mark.slow

@@ -16,10 +16,11 @@ hub cannot be reached and the cache lacks it) is kept apart: planning for anothe
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,13 @@ class Preflight:
     problems: tuple[str, ...] = ()  # model, data and reward lines, in that order
     eval_problems: tuple[str, ...] = ()  # the eval section's (besides its schedule)
     launch_problems: tuple[str, ...] = ()  # what the ranks would miss on this machine (see the module docstring)
-    longest_prompt: LongestPrompt | None = None  # the data's longest prompt in tokens, where it can be measured here
+    # the data's longest prompt: measured (`longest_prompt`) only when asked for, by a plan for GPUs (~5 s)
+    measure_prompt: Callable[[], LongestPrompt | None] = field(default=lambda: None, compare=False, repr=False)
+
+    @functools.cached_property
+    def longest_prompt(self) -> LongestPrompt | None:
+        """The data's longest prompt in tokens where it can be measured here (`colocate_rl.prompt_length`)."""
+        return self.measure_prompt()
 
     def matches(self, recipe: Recipe) -> bool:
         """Whether this pre-flight read what `recipe` names (a variant that changes only other keys reuses it)."""
@@ -236,9 +243,9 @@ def preflight(recipe: Recipe) -> Preflight:
         problems=(*model_problems, *data_problems, *reward_problems, *tool_problems),
         eval_problems=tuple(check_eval(recipe, sample, functions)),
         launch_problems=tuple(_launch_problems(recipe, layout, config, not model_problems)),
-        longest_prompt=(
-            longest_prompt(recipe, recipe.model.name)
+        measure_prompt=(
+            functools.partial(longest_prompt, recipe, recipe.model.name)
             if layout is None and config is not None and not model_problems and not data_problems
-            else None
+            else lambda: None
         ),
     )
