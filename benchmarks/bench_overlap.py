@@ -153,6 +153,20 @@ def training_start(run: Path) -> float | None:
     return None if first is None else t0 + first["t"]
 
 
+STARTUP_LINES = ("torch.compile takes", "compiled graph", "Compiling a graph", "Graph capturing finished",
+                 "Loading weights took", "ready; staging buffer", "init engine")  # fmt: skip
+
+
+def startup_lines(run: Path, most: int = 16) -> list[str]:
+    """The lines of a run's train.log that say where its start-up went (vLLM's compile or its cache, CUDA graphs,
+    weights, the engine process ready), with vLLM's own timestamps."""
+    log = run / "train.log"
+    if not log.is_file():
+        return []
+    lines = log.read_text(errors="replace").splitlines()
+    return [line[:300] for line in lines if any(key in line for key in STARTUP_LINES)][:most]
+
+
 def figures(arm: str, run: Path, started: float | None = None) -> dict:
     rows = step_rows(arm, run)
     out: dict = {"steps": len(rows)}
@@ -160,6 +174,8 @@ def figures(arm: str, run: Path, started: float | None = None) -> dict:
     begun = training_start(run) if not trl else None
     if begun is not None and started is not None:  # launch, model, engine start (vLLM's compile, graphs): until step 1
         out["startup_s"] = round(begun - started, 1)
+    if not trl:
+        out["startup_lines"] = startup_lines(run)
     later = [(a, b) for a, b in zip(rows, rows[1:]) if b["step"] >= 3 and b["step"] == a["step"] + 1]
     if later:
         out["s_per_step"] = round(statistics.median(b["wall_s"] - a["wall_s"] for a, b in later), 4)
