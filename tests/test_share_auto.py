@@ -1,6 +1,8 @@
 """`generation.vllm_gpu_memory_utilization: auto`: the share one generation batch needs by the estimate plus the
 margin, chosen before the layout, sleep level and micro-batch, which then get what the trainer has left."""
 
+import json
+
 from conftest import CPU, QWEN05, cli_here, resolved
 
 from colocate_rl.memory.estimate import SHARE_MARGIN, estimate
@@ -48,6 +50,10 @@ def test_validate_says_what_auto_chose_and_a_bad_share_is_one_line(tmp_path):
                   "generation.vllm_gpu_memory_utilization=auto")  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     assert "generation.vllm_gpu_memory_utilization auto: 0." in ok.stdout
+    est = cli_here("mem-probe", "gpu-0.5b-layout", "--estimate", "--json", "--gpus", "1", "--gpu-memory", "140",
+                   "--set", "generation.vllm_gpu_memory_utilization=auto")  # fmt: skip
+    data = json.loads(est.stdout)
+    assert data["share_choice"]["share"] == data["vllm_gpu_memory_utilization"] == data["window"]["chosen"]
     bad = cli_here("validate", "quickstart", "--set", "generation.vllm_gpu_memory_utilization=most")
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "input should be 'auto'" in bad.stderr

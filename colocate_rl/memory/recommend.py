@@ -184,11 +184,11 @@ def to_json(rec: Recommendation) -> dict[str, Any]:
     """The whole result for `--json`: terms (at the recipe's share), phases, window, recommendation, and what each
     `auto` of the recipe chose and why."""
     b, f = rec.base, rec.final
-    layout, sleep, micro = b.resolved.layout_choice, b.resolved.sleep_choice, b.resolved.micro_batch_choice
+    r = b.resolved
     return {
-        "model": {"name": b.resolved.recipe.model.name, "params": b.layout.params, "layout": asdict(b.layout)},
+        "model": {"name": r.recipe.model.name, "params": b.layout.params, "layout": asdict(b.layout)},
         "gpu_memory_gib": b.gpu_gib,
-        "world_size": b.resolved.world_size,
+        "world_size": r.world_size,
         **summary(b),
         "terms": {k: {p: round(v, 3) for p, v in row.items()} for k, row in b.terms.items()},
         "notes": b.notes,
@@ -199,9 +199,16 @@ def to_json(rec: Recommendation) -> dict[str, Any]:
             "notes": rec.notes,
             **({"estimate": summary(f, f.chosen)} if f else {}),
         },
-        "layout_choice": layout.to_json() if layout is not None else None,
-        "sleep_choice": sleep.to_json() if sleep is not None else None,
-        "micro_batch_choice": micro.to_json() if micro is not None else None,
+        **{
+            f"{name}_choice": choice.to_json() if choice is not None else None
+            for name, choice in (
+                ("share", r.share_choice),
+                ("layout", r.layout_choice),
+                ("sleep", r.sleep_choice),
+                ("micro_batch", r.micro_batch_choice),
+                ("overlap", r.overlap_choice),
+            )
+        },
     }
 
 
