@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from colocate_rl.errors import UserError  # noqa: E402
+from colocate_rl.memory.autolayout import DEFAULT_SHARE  # noqa: E402
 from colocate_rl.plan.launch_spec import LaunchSpec  # noqa: E402
 from colocate_rl.recipe.load import apply_overrides, parse_recipe, parse_sets, read_yaml  # noqa: E402
 from colocate_rl.rundir import RunDir, read_metrics, step_records  # noqa: E402
@@ -66,7 +67,6 @@ LORA = ["model.lora={r: 16, alpha: 32}", "trainer.learning_rate=2.0e-4"]  # full
 ROWS = {f"{a}-{m}-s{s}": (a, m, s) for s in SEEDS for m in MODES for a in ALGORITHMS}
 TIMING_ROWS = ["grpo-full-s0", "grpo-lora-s0"]
 SHARE_KEY = "generation.vllm_gpu_memory_utilization"
-DEFAULT_SHARE = 0.3  # the schema's default vLLM share, the rows' share when the recipe's is auto
 VLLM_BUDGET = 0.4  # share of a GPU the vLLM engines of the runs on it take together (the rest: their trainers)
 POLL_S = 2.0  # how often a waiting start looks at the run started before it
 MIN_START_S = 120.0  # with --deadline: no row starts when less is left
@@ -97,7 +97,7 @@ def vllm_share(per_gpu: int, budget: float, user_sets: list[str]) -> tuple[float
     if SHARE_KEY in parse_sets(user_sets):
         return recipe_share(user_sets), None
     base = recipe_share([])
-    base = DEFAULT_SHARE if base == "auto" else base  # auto sizes for one run alone: the rows keep 0.3 as before
+    base = DEFAULT_SHARE if base == "auto" else base  # auto sizes for one run alone: the rows keep the default
     return round(min(base, budget / per_gpu), 3), f"min(recipe {base:g}, {budget:g} / {per_gpu} runs per GPU)"
 
 

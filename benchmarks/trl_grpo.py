@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SYSTEM = "Solve the math problem step by step. End with a line '#### N' where N is the final number."
+RECIPE = ROOT / "recipes" / "smollm2-135m-gsm8k.yaml"  # the task: its system prompt and question column
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,11 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from colocate_rl.recipe.load import read_yaml
     from colocate_rl.rewards import hash_answer_format, math_verify
 
+    task = read_yaml(RECIPE)["data"]
+    system, field = task["system_prompt"], task["prompt_field"]
     data = load_dataset("json", data_files=a.data, split="train")
     data = data.map(
-        lambda row: {"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row["question"]}]}
+        lambda row: {"prompt": [{"role": "system", "content": system}, {"role": "user", "content": row[field]}]}
     )
     a.out.mkdir(parents=True, exist_ok=True)
     steps_file = (a.out / "steps.jsonl").open("w")
