@@ -13,6 +13,7 @@ the last, for each seed of `--seeds` (arms overlap and off only; the rows add th
 
     python benchmarks/bench_overlap.py --out OUT --model DIR --data FILE.jsonl --workload c256 --steps 12
     python benchmarks/bench_overlap.py --out OUT --model DIR --workload arith --steps 120 --order overlap,off --seeds 0,1
+    python benchmarks/bench_overlap.py ... --workload arith ... --concurrent   # learning curves only, all runs at once
     python benchmarks/bench_overlap.py --out OUT --table
 
 Per run: s/step = the median of the step-to-step wall-clock intervals from step 3 on (step 1 compiles and generates
@@ -50,6 +51,7 @@ TRL_BY_HAND = {
     ("trl-lean", "c256"): (256, 1, 0.1),
     ("trl-lean", "d256"): (128, 2, 0.25),
 }
+CONCURRENT_KV = "2GiB"  # --concurrent: each run's KV cache (135M: ~90k tokens; a step needs 64 x <= 512)
 ARITH = [  # the learning workload: a task SmolLM2-135M learns (stack facts: held-out 0.115 -> 0.295 in 120 steps)
     "data.source=builtin:arithmetic",
     "data.prompt_field=prompt",
@@ -232,6 +234,41 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+class Run:
+    """One run of the invocation: started in the background, its row appended to OUT/results.jsonl as it ends."""
+
+    def __init__(self, order: int, arm: str, seed: int, name: str, run: Path, argv: list[str]):
+        self.order, self.arm, self.seed, self.name, self.run, self.argv = order, arm, seed, name, run, argv
+
+    def start(self, out: Path, env: dict) -> None:
+        self.peak = PeakMemory()
+        self.peak.start()
+        self.started = time.time()
+        self.log = open(out / f"{self.name}.log", "w")  # noqa: SIM115 (closed in finish)
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_for_first_step(self, timeout: float) -> None:
+        while self.proc.poll() is None and not step_rows(self.arm, self.run) and time.time() - self.started < timeout:
+            time.sleep(2)
+
+    def finish(self, a, results_file: Path, concurrent: bool) -> None:
+        try:
+            code = self.proc.wait(timeout=max(1.0, a.timeout - (time.time() - self.started)))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            code = 124
+        self.log.close()
+        row = {"order": self.order, "workload": a.workload, "arm": self.arm, "seed": self.seed, "exit": code,
+               "wall_s": round(time.time() - self.started, 1), "nvml_peak_gib": self.peak.stop(),
+               **figures(self.arm, self.run, self.started), "command": shlex.join(self.argv)}  # fmt: skip
+        if concurrent:  # runs shared the GPU: times and the GPU's peak are not this run's alone
+            row.update(concurrent=True, s_per_step=None, nvml_peak_gib=None)
+        with results_file.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -244,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--set", dest="sets", action="append", default=[], help="to every colocate-rl run, last")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--concurrent", action="store_true",
+                   help="learning only: the first run alone until it trains, then all others at once on the GPU "
+                        "(no s/step or GPU peak in their rows)")  # fmt: skip
     p.add_argument("--table", action="store_true", help="only rewrite OUT/table.md from OUT/results.jsonl")
     a = p.parse_args(argv)
     results_file = a.out / "results.jsonl"
@@ -259,34 +299,34 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--model and --data are needed (arith: --model)")
     if a.workload == "arith" and any(arm.startswith("trl") for arm in order):
         p.error("--order: the arith workload compares overlap and off only")
+    if a.concurrent and a.workload != "arith":
+        p.error("--concurrent: only the arith workload (learning curves); timed workloads run one at a time")
+    if a.concurrent:  # a fixed KV cache: vLLM then does not size it from a GPU the other runs are filling
+        a.sets = [f"generation.kv_cache_memory={CONCURRENT_KV}", *a.sets]
     seeds = [int(x) for x in a.seeds.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)
     model = a.model
     if a.workload == "d256" and not a.dry_run:
         model = build_1p7b(a.model, a.out / "smollm2-1.7b-shape")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    runs = [(arm, seed) for seed in seeds for arm in order]
-    for k, (arm, seed) in enumerate(runs, start=1):
+    runs = []
+    for k, (arm, seed) in enumerate([(arm, seed) for seed in seeds for arm in order], start=1):
         name = f"{a.workload}-{k}-{arm}" + (f"-s{seed}" if len(seeds) > 1 else "")
-        run = a.out / name
-        argv_k = command(arm, a.workload, model, a.data, run, a.steps, a.sets, seed)
-        print(f"[{k}/{len(runs)}] {shlex.join(argv_k)}", flush=True)
-        if a.dry_run:
-            continue
-        peak = PeakMemory()
-        peak.start()
-        started = time.time()
-        with open(a.out / f"{name}.log", "w") as log:
-            try:
-                code = subprocess.run(argv_k, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=a.timeout).returncode  # fmt: skip
-            except subprocess.TimeoutExpired:
-                code = 124
-        row = {"order": k, "workload": a.workload, "arm": arm, "seed": seed, "exit": code, "wall_s": round(time.time() - started, 1),
-               "nvml_peak_gib": peak.stop(), **figures(arm, run, started), "command": shlex.join(argv_k)}  # fmt: skip
-        with results_file.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+        runs.append(Run(k, arm, seed, name, a.out / name, command(arm, a.workload, model, a.data, a.out / name,
+                                                                  a.steps, a.sets, seed)))  # fmt: skip
+    for run in runs:
+        print(f"[{run.order}/{len(runs)}] {shlex.join(run.argv)}", flush=True)
+    if not a.dry_run and a.concurrent:  # the first alone until it trains (vLLM's compile cached), then the rest at once
+        runs[0].start(a.out, env)
+        runs[0].wait_for_first_step(a.timeout)
+        for run in runs[1:]:
+            run.start(a.out, env)
+        for run in runs:
+            run.finish(a, results_file, concurrent=True)
+    elif not a.dry_run:
+        for run in runs:
+            run.start(a.out, env)
+            run.finish(a, results_file, concurrent=False)
     if not a.dry_run:
         results = [json.loads(x) for x in results_file.read_text().splitlines()]
         (a.out / "table.md").write_text(table(results))

@@ -308,6 +308,11 @@ def resolve_reward(name: str, *, key: str):
     return fn
 
 
+def is_async(fn) -> bool:
+    """Whether TRL runs reward `fn` on its event loop: a coroutine function or an instance with an async __call__."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
 def check_reward_spec(name: str, *, key: str) -> None:
     """Validate a reward name at recipe-check time (imports the module/file); UserError as in `resolve_reward`."""
     resolve_reward(name, key=key)

@@ -2,6 +2,8 @@
 (or TRL's colocated vLLM), so its commands are checked against the recipe schema, and its figures are read from a
 run directory a real CPU run writes in tests/test_overlap.py (the engine process without overlap: the `process` arm)."""
 
+import shlex
+
 import pytest
 from conftest import ROOT, import_benchmark
 
@@ -57,3 +59,16 @@ def test_the_table_pools_each_arm_and_sets_it_against_trl():
     text = B.table(rows)
     assert "| c256 | overlap | 2 | 2.100 | 1.90× |" in text and "| c256 | trl | 1 | 4.000 | 1.00× |" in text
     assert "| c256 | off |" not in text.split("pooled")[1]  # a failed run is not pooled
+
+
+def test_concurrent_runs_are_for_learning_only_with_a_fixed_kv_cache(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        B.main(["--out", str(tmp_path), "--model", "m", "--data", "d", "--workload", "c256", "--concurrent"])
+    assert "only the arith workload" in capsys.readouterr().err
+    B.main(["--out", str(tmp_path), "--model", "m", "--workload", "arith", "--order", "overlap,off", "--concurrent",
+            "--seeds", "0,1", "--dry-run"])  # fmt: skip
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(printed) == 4
+    for line in printed:
+        r = recipe_of(shlex.split(line.split("] ", 1)[1]))
+        assert r.generation.kv_cache_memory == B.CONCURRENT_KV and r.eval.every_steps == 20

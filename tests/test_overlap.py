@@ -152,11 +152,16 @@ def test_without_overlap_the_engine_process_generates_each_batch_in_turn(tmp_pat
     """generation.engine_process: true with overlap off (bench_overlap's `process` arm: the engine process's own
     generation speed, nothing beside it): every step generates now, and its time in the engine process is logged."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "quickstart", *DDP, "--set", "generation.engine_process=true", "--set", "trainer.max_steps=4")
+    proc = start(
+        run_dir, "quickstart", *DDP, *("--set", "generation.engine_process=true", "--set", "trainer.max_steps=4"),
+        *("--set", "rewards=[{name: digit_share, processes: 2}]"),  # and the reward scored on 2 processes per rank
+    )  # fmt: skip
     out, _ = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, out + (run_dir / "train.log").read_text()[-5000:]
     steps = step_records(run_dir)
     assert len(steps) == 4 and not any("overlap/ahead" in r for r in steps)
+    assert (run_dir / "train.log").read_text().count("rewards[0].name digit_share: scored on 2 processes") == 2
+    assert all(0 <= r["rewards/digit_share/mean"] <= 1 for r in steps) and any(r["reward"] > 0 for r in steps)
     assert all(0 < r["engine_process/generate_s"] <= r["time/generate_s"] for r in steps)  # within the phase
     assert (run_dir / "train.log").read_text().count("(transformers) ready; staging buffer") == 2
     # what benchmarks/bench_overlap.py reads of such a run (its `process` arm)

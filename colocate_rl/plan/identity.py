@@ -29,10 +29,13 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 def recipe_identity(resolved: Resolved) -> dict[str, Any]:
     """What every node must agree on, as dotted key → value: the resolved recipe (auto values replaced by
-    what they resolved to, the DeepSpeed JSON by its content) without the node rank and the run dir."""
+    what they resolved to, the DeepSpeed JSON by its content) without the node rank, the run dir and the rewards'
+    processes."""
     data = resolved.recorded_recipe().model_dump(mode="json")
     data["distributed"].pop("node_rank")
     data["output"].pop("run_dir")
+    for reward in data["rewards"]:
+        reward.pop("processes")  # the node's CPU cores decide it (auto); scores are the same on any number
     data["device"] = resolved.device
     data["deepspeed_config"] = resolved.deepspeed
     return _flatten(data)

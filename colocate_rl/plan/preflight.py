@@ -177,7 +177,7 @@ def _check_rewards(
     one-label sequence classifier (its config read, the model not loaded)."""
     from colocate_rl.data_check import check_reward_on_sample
     from colocate_rl.model_config import check_reward_model
-    from colocate_rl.rewards import resolve_reward, reward_columns, time_limit
+    from colocate_rl.rewards import is_async, resolve_reward, reward_columns, time_limit
 
     functions, configs, problems = {}, {}, []
     if not recipe.rewards and recipe.tools.environment is None:
@@ -201,6 +201,11 @@ def _check_rewards(
         except UserError as e:
             problems.extend(e.lines)
             continue
+        if reward.processes not in ("auto", 1) and is_async(fn):
+            problems.append(
+                f"rewards[{i}].processes: {reward.name} is async (it awaits, e.g. a judge's answers) and runs on the "
+                "trainer's event loop; drop processes"
+            )
         if sample is None:
             continue
         missing = [c for c in reward_columns(reward.name) if c not in sample.columns]

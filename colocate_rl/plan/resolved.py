@@ -31,6 +31,22 @@ AUTO_KEYS = (
 )
 
 
+# Built-in rewards slow enough to score on several processes when `processes: auto`: the most processes each takes
+AUTO_REWARD_PROCESSES = {"math_verify": 8}
+
+
+def reward_processes(recipe: Recipe, host: Host, nproc_per_node: int) -> list[int]:
+    """Each reward's `processes` as an integer: `auto` gives a reward of AUTO_REWARD_PROCESSES the rank's spare CPU
+    cores (its share of the host's, less two for the trainer and the engine), when that is 2 or more; else 1."""
+    spare = host.cpu_count // max(nproc_per_node, 1) - 2
+    out = []
+    for reward in recipe.rewards:
+        most = AUTO_REWARD_PROCESSES.get((reward.name or "").strip(), 1)
+        auto = min(most, spare) if most > 1 and spare >= 2 else 1
+        out.append(reward.processes if isinstance(reward.processes, int) else auto)
+    return out
+
+
 def _get(recipe: Recipe, dotted: str) -> Any:
     section, key = dotted.split(".")
     return getattr(getattr(recipe, section), key)
@@ -80,7 +96,17 @@ class Resolved:
             + ([self.sleep_choice.line()] if self.sleep_choice is not None else [])
             + ([self.micro_batch_choice.line()] if self.micro_batch_choice is not None else [])
             + ([self.overlap_choice.line()] if self.overlap_choice is not None else [])
+            + [
+                f"rewards[{i}].processes: auto → {n} ({r.name} scored on {n} processes of the rank's "
+                f"{self.host.cpu_count // max(self.nproc_per_node, 1)} CPU cores)"
+                for i, (r, n) in enumerate(zip(self.recipe.rewards, self.reward_processes))
+                if r.processes == "auto" and n > 1
+            ]
         )
+
+    @property
+    def reward_processes(self) -> list[int]:
+        return reward_processes(self.recipe, self.host, self.nproc_per_node)
 
     @property
     def world_size(self) -> int:
@@ -107,4 +133,5 @@ class Resolved:
             for key in ("offload_optimizer", "offload_params"):
                 if getattr(dist, key) is None:
                     values[f"distributed.{key}"] = getattr(zero, key)
-        return with_values(self.recipe, values)
+        rewards = [r.model_copy(update={"processes": n}) for r, n in zip(self.recipe.rewards, self.reward_processes)]
+        return with_values(self.recipe, values).model_copy(update={"rewards": rewards})

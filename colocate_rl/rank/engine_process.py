@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import time
 from typing import Any
 
 import torch
@@ -80,6 +81,7 @@ class ProcessEngine(GenerationEngine):
     def stop(self) -> None:
         if self.process is None:
             return
+        started, how = time.perf_counter(), "stopped"
         if self.process.is_alive():
             with contextlib.suppress(OSError, EOFError, EngineProcessError):
                 self._conn.send(("stop", next(self._ids), None))
@@ -87,8 +89,11 @@ class ProcessEngine(GenerationEngine):
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout=10)
+            how = "terminated"
         if self.process.is_alive():
             self.process.kill()
+            how = "killed"
+        print(f"[colocate-rl engine] engine process {how} in {time.perf_counter() - started:.1f} s", flush=True)
         self.process = None
 
     def _died(self) -> EngineProcessError:

@@ -190,7 +190,9 @@ def serve(conn, spec: dict[str, Any]) -> None:
                 holds.pop().__exit__(None, None, None)
             elif op == "stop":
                 conn.send((ident, "ok", None, True))
-                return
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)  # no interpreter teardown: vLLM's can hang or crash after sleep mode (vLLM #16993)
             else:
                 raise ValueError(f"unknown command {op!r}")
             conn.send((ident, "ok", result, engine.weights_valid))

@@ -9,7 +9,6 @@ prints `error: ...` lines to the log and reports them in `events.jsonl`.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -138,42 +137,6 @@ def load_tokenizer(model_path: str, builtin: bool):
     return AutoTokenizer.from_pretrained(model_path, padding_side="left")
 
 
-def check_rewards(values, completions, key: str):
-    """`values` when it is one finite number (or None: no reward for that completion) per completion; else UserError
-    (a NaN reward trains with zero loss and gradient, silently)."""
-    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
-        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
-        raise UserError(f"{key}: returned {got} for {len(completions)} completions; return one number each")
-    for value in values:
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-        ):
-            raise UserError(
-                f"{key}: returned {value!r} for a completion; a reward must be a finite number (or None to leave the "
-                "completion out of this reward)"
-            )
-    return values
-
-
-def checked_reward(fn, key: str):
-    """`fn` (sync or async, as TRL calls it) with its output checked by `check_rewards`."""
-    import inspect
-
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
-
-        @functools.wraps(fn)
-        async def async_reward(*args, completions, **kwargs):
-            return check_rewards(await fn(*args, completions=completions, **kwargs), completions, key)
-
-        return async_reward
-
-    @functools.wraps(fn)
-    def reward(*args, completions, **kwargs):
-        return check_rewards(fn(*args, completions=completions, **kwargs), completions, key)
-
-    return reward
-
-
 def build_trainer(run_dir: Path):
     """Construct the TRL trainer for this rank from the run directory's files."""
     from colocate_rl.prompts import load_prompts
@@ -181,11 +144,11 @@ def build_trainer(run_dir: Path):
     from colocate_rl.rank.checkpoints import make_checkpoint_callback
     from colocate_rl.rank.evaluation import make_eval_callback
     from colocate_rl.rank.lora import peft_config
+    from colocate_rl.rank.rewards import reward_functions
     from colocate_rl.rank.same_recipe import check_same_recipe
     from colocate_rl.rank.telemetry import Telemetry
     from colocate_rl.rank.tools import ToolGuard, trainer_tools
     from colocate_rl.recipe.load import load_recipe
-    from colocate_rl.rewards import resolve_reward
 
     paths = RunDir(run_dir)
     recipe = load_recipe(paths.recipe)
@@ -210,14 +173,7 @@ def build_trainer(run_dir: Path):
         seed=recipe.trainer.seed,
         held_out=held_out_rows(launch, paths),
     )
-    # a reward model goes to TRL as its path or hub id: TRL loads it (AutoModelForSequenceClassification, num_labels
-    # 1, the policy's dtype) with its own tokenizer and logs it under the path's last part
-    rewards = [
-        os.path.normpath(os.path.expanduser(r.model))
-        if r.model is not None
-        else checked_reward(resolve_reward(r.name, key=f"rewards[{i}].name"), f"rewards[{i}].name {r.name}")
-        for i, r in enumerate(recipe.rewards)
-    ]
+    rewards, reward_pool = reward_functions(recipe)  # a pool's processes start now, beside the model's loading
     tokenizer = load_tokenizer(launch.model_path, launch.builtin_model)
     if recipe.model.chat_template is not None:
         from colocate_rl.plan.tools import read_chat_template
@@ -276,6 +232,7 @@ def build_trainer(run_dir: Path):
         trainer.tool_guard = ToolGuard(recipe.tools, telemetry.phase)
     trainer.log_extras = telemetry_extras(telemetry)
     trainer.overlap = launch.overlap
+    trainer.reward_pool = reward_pool
     return recipe, launch, trainer, checkpoints
 
 
@@ -296,6 +253,8 @@ def run(run_dir: Path) -> None:
         trainer.train(resume_from_checkpoint=resume_from)
     finally:
         trainer.engine.stop()  # an engine process (and a generation it still runs for overlap) ends here
+        if trainer.reward_pool is not None:
+            trainer.reward_pool.close()
     if checkpoints.stopped_at is not None:  # a stop request: the checkpoint is the result, no final model
         if trainer.is_world_process_zero():
             saved = paths.checkpoints / f"checkpoint-{checkpoints.stopped_at}"

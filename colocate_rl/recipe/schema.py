@@ -106,12 +106,24 @@ class RewardSpec(_Section):
         "completion is the reward, logged under the last part of the path or id.",
     )
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
+    processes: Count | Literal["auto"] = Field(
+        "auto",
+        description="Processes per rank that score this function's completions, each a slice of the batch (spawned "
+        "once per rank). auto: math_verify on up to 8 of the rank's spare CPU cores, any other reward in the trainer's "
+        "process. On more than one process a function gets prompts, completions, completion_ids, trainer_state and "
+        "the dataset columns, not log_metric, log_extra or environments, and must not be async.",
+    )
 
     @model_validator(mode="after")
     def _name_or_model(self):
         if (self.name is None) == (self.model is None):
             which = "both name and model" if self.name is not None else "neither name nor model"
             raise ValueError(f"has {which}; give one per list item: name (a reward function) or model (a reward model)")
+        if self.model is not None and self.processes not in ("auto", 1):
+            raise ValueError(
+                f"processes: {self.processes} with a reward model, which scores on the GPU; drop processes "
+                "(it applies to reward functions)"
+            )
         return self
 
 

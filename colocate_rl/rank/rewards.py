@@ -1,0 +1,164 @@
+"""The rank's reward functions as TRL calls them: each output checked (`checked_reward`), and a function whose recipe
+says `processes: N > 1` scored on a pool of N spawned processes, each taking a slice of the batch (`RewardPool`).
+
+A pool's process imports the reward by its recipe name (a built-in, `module:function` or `file.py:function`, from
+the rank's working directory and sys.path) and gets the call's picklable arguments: prompts, completions,
+completion_ids, trainer_state and the dataset columns, each sliced, not log_metric, log_extra or environments
+(`LOCAL_ONLY`). What can fail: a function's own error is raised in the rank as it was raised (a UserError keeps its
+line); a pool process that dies (killed, out of memory) raises RewardProcessError naming the reward.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from colocate_rl.errors import UserError
+
+LOCAL_ONLY = ("log_metric", "log_extra", "environments")  # TRL's per-call arguments that cannot cross a process
+
+
+class RewardProcessError(RuntimeError):
+    """A reward pool's process died."""
+
+
+def check_rewards(values, completions, key: str):
+    """`values` when it is one finite number (or None: no reward for that completion) per completion; else UserError
+    (a NaN reward trains with zero loss and gradient, silently)."""
+    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+        raise UserError(f"{key}: returned {got} for {len(completions)} completions; return one number each")
+    for value in values:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        ):
+            raise UserError(
+                f"{key}: returned {value!r} for a completion; a reward must be a finite number (or None to leave the "
+                "completion out of this reward)"
+            )
+    return values
+
+
+def checked_reward(fn, key: str):
+    """`fn` (sync or async, as TRL calls it) with its output checked by `check_rewards`."""
+    from colocate_rl.rewards import is_async
+
+    if is_async(fn):
+
+        @functools.wraps(fn)
+        async def async_reward(*args, completions, **kwargs):
+            return check_rewards(await fn(*args, completions=completions, **kwargs), completions, key)
+
+        return async_reward
+
+    @functools.wraps(fn)
+    def reward(*args, completions, **kwargs):
+        return check_rewards(fn(*args, completions=completions, **kwargs), completions, key)
+
+    return reward
+
+
+# ---------------------------------------------------------------------------------------------- in a pool process
+
+
+@functools.cache
+def _resolved(name: str, key: str):
+    from colocate_rl.rewards import resolve_reward
+
+    return resolve_reward(name, key=key)
+
+
+def _load(names: tuple[tuple[str, str], ...]) -> None:
+    """A pool process's start: import every reward it may score (math_verify's import takes a second)."""
+    for name, key in names:
+        _resolved(name, key)
+
+
+def _score(name: str, key: str, kwargs: dict[str, Any]) -> list:
+    """One slice's rewards, checked as the slice's (its length is the function's answer for this call)."""
+    return check_rewards(_resolved(name, key)(**kwargs), kwargs["completions"], f"{key} {name}")
+
+
+# ---------------------------------------------------------------------------------------------- in the rank
+
+
+def slices(n: int, parts: int) -> list[tuple[int, int]]:
+    """`range(n)` cut into at most `parts` contiguous (start, stop) slices of near-equal size, none empty."""
+    if n == 0:
+        return []
+    parts = max(1, min(parts, n))
+    bounds = [n * k // parts for k in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class RewardPool:
+    """Spawned processes that score reward functions, started at once so that their imports overlap the rank's."""
+
+    def __init__(self, processes: int, names: list[tuple[str, str]]):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.processes = processes
+        self.executor = ProcessPoolExecutor(
+            processes, mp_context=multiprocessing.get_context("spawn"), initializer=_load, initargs=(tuple(names),)
+        )
+        for _ in range(processes):  # spawned on demand: one submit each while none is idle starts them all
+            self.executor.submit(int)
+
+    def wrap(self, name: str, key: str, processes: int):
+        """TRL's reward function for recipe reward `name`, scored on `processes` of the pool's processes."""
+        from concurrent.futures.process import BrokenProcessPool
+
+        def reward(*args, completions, **kwargs):
+            if args:
+                raise TypeError(f"{key}: TRL passed positional arguments; colocate-rl passes only keywords")
+            n = len(completions)
+            shared = {k: v for k, v in kwargs.items() if k not in LOCAL_ONLY}
+            futures = []
+            for start, stop in slices(n, processes):
+                part = {k: v[start:stop] if isinstance(v, list) and len(v) == n else v for k, v in shared.items()}
+                futures.append(
+                    self.executor.submit(_score, name, key, {**part, "completions": completions[start:stop]})
+                )
+            try:
+                values = [value for future in futures for value in future.result()]
+            except BrokenProcessPool:
+                raise RewardProcessError(
+                    f"{key} {name}: a reward process died (killed, or out of memory); its error, if any, is above in "
+                    "this log"
+                ) from None
+            return check_rewards(values, completions, f"{key} {name}")
+
+        reward.__name__ = name.rpartition(":")[2].strip() or name  # what TRL logs, as for the function itself
+        return reward
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def reward_functions(recipe) -> tuple[list, RewardPool | None]:
+    """TRL's `reward_funcs` for `recipe` (its `processes` resolved by the plan: integers), and the pool that scores
+    those on more than one process (None when none does): a reward model as its path, a function checked."""
+    import os
+
+    from colocate_rl.rewards import resolve_reward
+
+    parallel = [(r.name, f"rewards[{i}].name") for i, r in enumerate(recipe.rewards) if _processes(r) > 1]
+    pool = RewardPool(max(_processes(r) for r in recipe.rewards), parallel) if parallel else None
+    funcs = []
+    for i, r in enumerate(recipe.rewards):
+        key = f"rewards[{i}].name"
+        if r.model is not None:  # TRL loads it (sequence classifier, num_labels 1, the policy's dtype)
+            funcs.append(os.path.normpath(os.path.expanduser(r.model)))
+        elif _processes(r) > 1:
+            resolve_reward(r.name, key=key)  # fails here, in the rank, as it would without a pool
+            funcs.append(pool.wrap(r.name, key, _processes(r)))
+            print(f"[colocate-rl rewards] {key} {r.name}: scored on {_processes(r)} processes", flush=True)
+        else:
+            funcs.append(checked_reward(resolve_reward(r.name, key=key), f"{key} {r.name}"))
+    return funcs, pool
+
+
+def _processes(reward) -> int:
+    return reward.processes if isinstance(reward.processes, int) else 1
