@@ -135,6 +135,7 @@ def tool_call_ok(prompts, completions, **kwargs) -> list[float]:
     return rewards
 
 
+WARM_IMPORTS = {"math_verify": ("math_verify",)}  # what a built-in imports on its first call (a pool imports it first)
 REWARD_COLUMNS = {"answer_match": ("answer",), "math_verify": ("answer",)}  # dataset columns a built-in reward needs
 BUILTIN_REWARDS = {
     f.__name__: f

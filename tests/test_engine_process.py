@@ -130,6 +130,20 @@ def test_a_hold_does_not_wait_for_the_generation_in_flight(engine):
 
 
 @pytest.mark.slow  # starts the engine process
+def test_stop_reads_an_answer_too_big_for_the_pipe_that_nobody_waits_for(saved, capsys):
+    """The generation an overlapped run takes ahead for a step that never runs: its answer (here ~530 KB, more than
+    the pipe's socket buffer; a vLLM batch with logprobs is bigger still) must not keep the engine process from
+    exiting (it did: 30 s per overlapped run on the H200, and 30.1 s here before the fix)."""
+    eng = P.ProcessEngine(spec(saved), tiny_model(seed=0), no_gather, bucket_bytes=4096, check_weights=True,
+                          device="cpu")  # fmt: skip
+    eng.start()
+    eng.submit([[1, 2, 3]] * 4096, Sampling(max_tokens=200, temperature=1.0))  # never collected
+    eng.stop()
+    line = [x for x in capsys.readouterr().out.splitlines() if "engine process stopped in" in x]
+    assert line and float(line[0].split(" in ")[1].split()[0]) < 20, line  # measured 5.9 s: the generation's time
+
+
+@pytest.mark.slow  # starts the engine process
 def test_weights_changed_without_a_push_fail_the_check(engine):
     eng, model = engine
     with torch.no_grad():

@@ -29,6 +29,7 @@ from colocate_rl.errors import EngineProcessError, UserError
 from colocate_rl.rank.engine import Generation, GenerationEngine, Pending, Sampling
 from colocate_rl.rank.weights import adapter_merge, expected_weights, fitting, stage, staging_bytes, trainer_buckets
 
+STOP_S = 30.0  # how long `stop` waits for the engine process to exit before it terminates it
 POLL_S = 1.0  # how often a rank waiting for its engine process checks that the process is alive
 
 
@@ -85,7 +86,7 @@ class ProcessEngine(GenerationEngine):
         if self.process.is_alive():
             with contextlib.suppress(OSError, EOFError, EngineProcessError):
                 self._conn.send(("stop", next(self._ids), None))
-            self.process.join(timeout=30)
+            self._drain_until_exit(started + STOP_S)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout=10)
@@ -95,6 +96,18 @@ class ProcessEngine(GenerationEngine):
             how = "killed"
         print(f"[colocate-rl engine] engine process {how} in {time.perf_counter() - started:.1f} s", flush=True)
         self.process = None
+
+    def _drain_until_exit(self, deadline: float) -> None:
+        """Read and drop the answers nobody waits for any more (a generation taken ahead for a step that will not
+        run) until the process exits: one bigger than the pipe's buffer would block the process's send, and its
+        exit, forever (found on the H200: every overlapped run's stop waited out its 30 s)."""
+        while self.process.is_alive() and time.perf_counter() < deadline:
+            try:
+                if self._conn.poll(0.05):
+                    self._conn.recv()
+            except (EOFError, OSError):
+                self.process.join(timeout=max(0.0, deadline - time.perf_counter()))
+                return
 
     def _died(self) -> EngineProcessError:
         if self.process is not None:

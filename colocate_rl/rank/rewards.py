@@ -70,9 +70,16 @@ def _resolved(name: str, key: str):
 
 
 def _load(names: tuple[tuple[str, str], ...]) -> None:
-    """A pool process's start: import every reward it may score (math_verify's import takes a second)."""
+    """A pool process's start: import every reward it may score, and what a built-in imports when first called
+    (math_verify's sympy and parsers: seconds, and 19 s in step 1 on the H200 when 8 processes did it then)."""
+    import importlib
+
+    from colocate_rl.rewards import WARM_IMPORTS
+
     for name, key in names:
         _resolved(name, key)
+        for module in WARM_IMPORTS.get(name.strip(), ()):
+            importlib.import_module(module)
 
 
 def _score(name: str, key: str, kwargs: dict[str, Any]) -> list:
