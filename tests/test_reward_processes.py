@@ -73,6 +73,8 @@ def test_a_user_reward_runs_in_the_pool_and_its_errors_come_back_with_the_key(tm
             p.wrap("rw.py:short", "rewards[2].name", 2)(prompts=["a"] * 3, completions=["x"] * 3)
         with pytest.raises(RewardProcessError, match=r"rewards\[3\].name rw.py:dies: a reward process died"):
             p.wrap("rw.py:dies", "rewards[3].name", 2)(prompts=["a"] * 3, completions=["x"] * 3)
+        with pytest.raises(RewardProcessError, match=r"rewards\[1\].name rw.py:pid: a reward process died"):
+            fn(prompts=["a"], completions=["x"], tag=["q"])  # the pool is broken now: every later call says so
     finally:
         p.close()
 

@@ -122,13 +122,12 @@ class RewardPool:
                 raise TypeError(f"{key}: TRL passed positional arguments; colocate-rl passes only keywords")
             n = len(completions)
             shared = {k: v for k, v in kwargs.items() if k not in LOCAL_ONLY}
-            futures = []
-            for start, stop in slices(n, processes):
-                part = {k: v[start:stop] if isinstance(v, list) and len(v) == n else v for k, v in shared.items()}
-                futures.append(
-                    self.executor.submit(_score, name, key, {**part, "completions": completions[start:stop]})
-                )
-            try:
+            try:  # a process that died earlier breaks the pool: submit raises then
+                futures = []
+                for start, stop in slices(n, processes):
+                    part = {k: v[start:stop] if isinstance(v, list) and len(v) == n else v for k, v in shared.items()}
+                    part["completions"] = completions[start:stop]
+                    futures.append(self.executor.submit(_score, name, key, part))
                 values = [value for future in futures for value in future.result()]
             except BrokenProcessPool:
                 raise RewardProcessError(
