@@ -1,6 +1,6 @@
 """Errors that end a run with a message instead of a traceback. UserError: bad input the user can fix; the CLI prints
-it one line per problem and exits 2. StaleWeightsError: the worker prints it and exits 3. EngineProcessError: the
-worker prints it and exits 1."""
+it one line per problem and exits 2. StaleWeightsError: the worker prints it and exits 3. EngineProcessError and
+RewardProcessError: the worker prints it and exits 1."""
 
 
 class StaleWeightsError(RuntimeError):
@@ -9,6 +9,10 @@ class StaleWeightsError(RuntimeError):
 
 class EngineProcessError(RuntimeError):
     """The generation engine's own process failed or ended (colocate_rl.rank.engine_process); the message names it."""
+
+
+class RewardProcessError(RuntimeError):
+    """A process of a reward pool died (colocate_rl.rank.rewards); the message names the reward."""
 
 
 class UserError(Exception):

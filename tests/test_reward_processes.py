@@ -5,10 +5,10 @@ processes here."""
 import pytest
 import yaml
 
-from colocate_rl.errors import UserError
+from colocate_rl.errors import RewardProcessError, UserError
 from colocate_rl.plan.host import assumed_host
 from colocate_rl.plan.resolved import reward_processes
-from colocate_rl.rank.rewards import RewardPool, RewardProcessError, reward_functions, slices
+from colocate_rl.rank.rewards import RewardPool, reward_functions, slices
 from colocate_rl.recipe.load import parse_recipe
 from colocate_rl.rewards import math_verify
 
@@ -114,3 +114,19 @@ def test_an_async_reward_on_several_processes_is_refused_at_validation(tmp_path)
     assert any(line.startswith("rewards[0].processes: ") and "is async" in line for line in pre.problems), pre.problems
     pre = preflight(recipe(f"[{{name: '{tmp_path}/judge.py:judge'}}]"))  # auto: on the trainer's event loop
     assert not any("processes" in line for line in pre.problems), pre.problems
+
+
+def test_a_rank_whose_reward_process_died_ends_in_one_line_and_an_event(tmp_path, monkeypatch, capsys):
+    from colocate_rl.rank import worker
+    from colocate_rl.telemetry import events
+
+    def run(run_dir):
+        raise RewardProcessError("rewards[0].name math_verify: a reward process died (killed, or out of memory)")
+
+    monkeypatch.setattr(worker, "run", run)
+    assert worker.main([str(tmp_path)]) == 1
+    assert capsys.readouterr().err == (
+        "error: rewards[0].name math_verify: a reward process died (killed, or out of memory)\n"
+    )
+    [event] = events.read_events(tmp_path, events.REWARD_FAILED)
+    assert "a reward process died" in event["message"]

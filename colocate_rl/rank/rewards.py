@@ -14,13 +14,9 @@ import functools
 import math
 from typing import Any
 
-from colocate_rl.errors import UserError
+from colocate_rl.errors import RewardProcessError, UserError
 
 LOCAL_ONLY = ("log_metric", "log_extra", "environments")  # TRL's per-call arguments that cannot cross a process
-
-
-class RewardProcessError(RuntimeError):
-    """A reward pool's process died."""
 
 
 def check_rewards(values, completions, key: str):

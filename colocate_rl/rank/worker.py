@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from colocate_rl.errors import EngineProcessError, StaleWeightsError, UserError
+from colocate_rl.errors import EngineProcessError, RewardProcessError, StaleWeightsError, UserError
 from colocate_rl.plan.launch_spec import LaunchSpec
 from colocate_rl.rundir import CHECKPOINT_COMPLETE, RunDir, read_jsonl
 from colocate_rl.telemetry import events
@@ -322,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {e}\n")
         sys.stderr.flush()
         return 3
-    except EngineProcessError as e:  # colocate_rl.rank.engine_process: the engine's own process failed or ended
-        events.emit(run_dir, events.ENGINE_FAILED, message=str(e))
+    except (EngineProcessError, RewardProcessError) as e:  # a process of the rank's (engine, reward) failed or ended
+        kind = events.ENGINE_FAILED if isinstance(e, EngineProcessError) else events.REWARD_FAILED
+        events.emit(run_dir, kind, message=str(e))
         sys.stderr.write(f"error: {e}\n")
         sys.stderr.flush()
         return 1
