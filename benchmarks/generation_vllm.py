@@ -473,9 +473,26 @@ def patch_trainer(module) -> None:
     cls.training_step = training_step
 
 
-PATCHES = {  # module → what the sitecustomize applies once it is imported in a rank
+def patch_engine_process(module) -> None:
+    """colocate_rl.rank.engine_server: in the engine's own process (`generation.engine_process`), the probe attaches to
+    the vLLM engine it builds (rank = its process index there, 0: one GPU per engine process)."""
+    build = module.child_vllm
+    if getattr(build, "_bench_probe", False):
+        return
+
+    def child_vllm(spec):
+        engine = build(spec)
+        probe_engine(engine)
+        return engine
+
+    child_vllm._bench_probe = True
+    module.child_vllm = child_vllm
+
+
+PATCHES = {  # module → what the sitecustomize applies once it is imported in a rank (or its engine process)
     "colocate_rl.rank.adapter.trl": patch_engine,
     "trl.trainer.grpo_trainer": patch_trainer,
+    "colocate_rl.rank.engine_server": patch_engine_process,
 }
 
 

@@ -381,6 +381,30 @@ def test_probe_records_each_generate_of_a_rank(tmp_path, monkeypatch):
     assert profile["wall_s"] > 0 and profile["kernels"] == 0  # call 1 (no torch work in the fake: nothing else)
 
 
+def test_the_engine_process_is_probed_where_it_builds_its_engine(tmp_path, monkeypatch):
+    """`generation.engine_process`: the probe attaches in the engine's own process, to the engine `child_vllm` built
+    and started there (a stand-in here: vLLM cannot start on CPU), and records its generations for the standalone."""
+    from colocate_rl.rank import engine_server as S
+    from colocate_rl.rank import vllm_engine as E
+    from colocate_rl.rank.engine import Sampling
+
+    def build(spec):  # what engine_server.child_vllm returns: an engine, started
+        engine = vllm_engine(tmp_path, rank=0)
+        engine.start()
+        return engine
+
+    monkeypatch.setattr(S, "child_vllm", build)
+    monkeypatch.setattr(E, "read_outputs", E.read_outputs)  # the probe wraps it
+    G.patch_engine_process(S)
+    G.patch_engine_process(S)  # once only
+    engine = S.child_vllm({})
+    assert engine.llm.generate._bench_probe and S.child_vllm._bench_probe
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kwargs: SimpleNamespace(**kwargs)))
+    engine._generate([[1, 2, 3]] * 2, Sampling(max_tokens=8))
+    _record, calls, _extract = G.read_probe(tmp_path, rank=0)
+    assert [c["prompt_token_ids"] for c in calls] == [[[1, 2, 3]] * 2]
+
+
 def test_trl_engine_and_training_step_are_probed_in_a_worker(tmp_path, monkeypatch):
     """TRL's engine (`generation.engine: trl`, no run_dir of its own) records into the worker's RUN_DIR, its
     extraction TRL's `extract_logprobs`; the training_step call named in COLOCATE_BENCH_PROFILE is profiled (a test
@@ -525,8 +549,9 @@ def test_launch_env_is_what_launch_sh_exports(tmp_path):
 
 @pytest.mark.slow
 def test_sitecustomize_patches_the_engine_only_in_a_probed_worker():
-    """benchmarks/generation_probe on PYTHONPATH: a process whose command line names colocate_rl.worker, with
-    COLOCATE_BENCH_PROBE=1, gets the engine patched on import; any other process gets no import hook."""
+    """benchmarks/generation_probe on PYTHONPATH: a process whose command line names colocate_rl.worker (or a spawned
+    one's, `--multiprocessing-fork`), with COLOCATE_BENCH_PROBE=1, gets the engine patched on import; any other process
+    gets no import hook."""
     import subprocess
 
     from tests.conftest import clean_env
@@ -534,14 +559,20 @@ def test_sitecustomize_patches_the_engine_only_in_a_probed_worker():
     env = clean_env(PYTHONPATH=str(bench.PROBE_PATH), COLOCATE_BENCH_PROBE="1", COLOCATE_BENCH_PROFILE="train=2")
     code = (
         "import colocate_rl.rank.adapter.trl as A, trl.trainer.grpo_trainer as T, sys;"
-        "print(A._EngineHooks.__init__._bench_probe, T.GRPOTrainer.training_step._bench_probe,"
+        "import colocate_rl.rank.engine_server as S;"
+        "print(A._EngineHooks.__init__._bench_probe, T.GRPOTrainer.training_step._bench_probe, S.child_vllm._bench_probe,"
         " [type(f).__name__ for f in sys.meta_path].count('_Finder'))"
-    )
+    )  # the hook leaves once every module it patches is imported
     worker = subprocess.run([sys.executable, "-c", code, "colocate_rl.worker"], env=env, capture_output=True, text=True)
-    assert worker.stdout.strip() == "True True 0", worker.stderr[-2000:]
+    assert worker.stdout.strip() == "True True True 0", worker.stderr[-2000:]
     hooks = "import sys; print([type(f).__name__ for f in sys.meta_path if type(f).__name__ == '_Finder'])"
     other = subprocess.run([sys.executable, "-c", hooks], env=env, capture_output=True, text=True)
     assert other.stdout.strip() == "[]", other.stderr[-2000:]
+    # a process a rank spawned (its engine process): the engine it builds is patched there
+    code = "import colocate_rl.rank.engine_server as S; print(S.child_vllm._bench_probe)"
+    spawned = subprocess.run([sys.executable, "-c", code, "--multiprocessing-fork"], env=env, capture_output=True,
+                             text=True)  # fmt: skip
+    assert spawned.stdout.strip() == "True", spawned.stderr[-2000:]
 
 
 def test_an_experiments_recipe_override_reaches_both_sides(tmp_path):

@@ -10,8 +10,10 @@ benchmarks/generation_vllm.py (PATCHES). Python loads it from PYTHONPATH at star
 import os
 import sys
 
-if os.environ.get("COLOCATE_BENCH_PROBE") == "1" and "colocate_rl.worker" in " ".join(
-    getattr(sys, "orig_argv", sys.argv)
+_ARGV = " ".join(getattr(sys, "orig_argv", sys.argv))
+# a rank, or a process a rank spawned (its engine process; a reward pool's, which imports no engine and is left alone)
+if os.environ.get("COLOCATE_BENCH_PROBE") == "1" and (
+    "colocate_rl.worker" in _ARGV or "--multiprocessing-fork" in _ARGV
 ):
     import importlib.abc
     import importlib.machinery
