@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Overlap (issue 28), side by side in one invocation on one GPU: colocate-rl with `generation.overlap: one_step`,
-colocate-rl without (`off`; `process`: without, the engine in its own process, for its generation speed alone),
+colocate-rl without (`off`; `process`: without, the engine in its own process, for its generation speed alone;
+`overlap-mps`: with, under a CUDA MPS daemon of its own, so that the two processes' kernels can run at once),
 and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-batch set by hand: `trl` at share 0.3,
 `trl-lean` at the share one batch needs with the larger micro-batch), in the order given (default A-B-C-A-B-C), on
 256 completions per step of recipes/smollm2-135m-gsm8k.yaml's task.
@@ -39,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
-ARMS = ("overlap", "off", "process", "trl", "trl-lean")  # process: no overlap, the engine in its own process
+# process: no overlap, the engine in its own process; overlap-mps: overlap with a CUDA MPS daemon of its own (`Mps`)
+ARMS = ("overlap", "off", "process", "trl", "trl-lean", "overlap-mps")
 PHASES = ("generate", "prepare", "reward", "train", "weight_sync", "optimizer")
 SHAPE_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                   intermediate_size=8192)  # fmt: skip
@@ -100,7 +102,7 @@ def command(
         *(ARITH if workload == "arith" else speed),
         f"trainer.max_steps={steps}",
         f"trainer.seed={seed}",
-        f"generation.overlap={'one_step' if arm == 'overlap' else 'off'}",
+        f"generation.overlap={'one_step' if arm.startswith('overlap') else 'off'}",
         *(["generation.engine_process=true"] if arm == "process" else []),
         *sets,
     ]
@@ -234,6 +236,25 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+class Mps:
+    """A CUDA MPS control daemon for one run (arm overlap-mps): its pipe and log directories under OUT, so that only
+    that run's processes are its clients (they find it by CUDA_MPS_PIPE_DIRECTORY); quit when the run ends. The GPU's
+    compute mode is left as it is. Without MPS two processes on one GPU take turns by time slices; with it their
+    kernels can run at the same time."""
+
+    def __init__(self, root: Path):
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
+
+    def start(self, env: dict) -> dict:
+        for d in self.env.values():
+            Path(d).mkdir(parents=True, exist_ok=True)
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**env, **self.env}, check=True)
+        return {**env, **self.env}
+
+    def stop(self, env: dict) -> None:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**env, **self.env}, timeout=60)
+
+
 class Run:
     """One run of the invocation: started in the background, its row appended to OUT/results.jsonl as it ends."""
 
@@ -241,11 +262,13 @@ class Run:
         self.order, self.arm, self.seed, self.name, self.run, self.argv = order, arm, seed, name, run, argv
 
     def start(self, out: Path, env: dict) -> None:
+        self.mps = Mps(out / f"mps-{self.name}") if self.arm.endswith("-mps") else None
+        self.env = self.mps.start(env) if self.mps is not None else env
         self.peak = PeakMemory()
         self.peak.start()
         self.started = time.time()
         self.log = open(out / f"{self.name}.log", "w")  # noqa: SIM115 (closed in finish)
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_for_first_step(self, timeout: float) -> None:
         while self.proc.poll() is None and not step_rows(self.arm, self.run) and time.time() - self.started < timeout:
@@ -259,6 +282,8 @@ class Run:
             self.proc.wait()
             code = 124
         self.log.close()
+        if self.mps is not None:
+            self.mps.stop(self.env)
         row = {"order": self.order, "workload": a.workload, "arm": self.arm, "seed": self.seed, "exit": code,
                "wall_s": round(time.time() - self.started, 1), "nvml_peak_gib": self.peak.stop(),
                **figures(self.arm, self.run, self.started), "command": shlex.join(self.argv)}  # fmt: skip
@@ -299,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--model and --data are needed (arith: --model)")
     if a.workload == "arith" and any(arm.startswith("trl") for arm in order):
         p.error("--order: the arith workload compares overlap and off only")
+    if a.concurrent and any(arm.endswith("-mps") for arm in order):
+        p.error("--concurrent: an -mps arm runs with an MPS daemon of its own; run it alone")
     if a.concurrent and a.workload != "arith":
         p.error("--concurrent: only the arith workload (learning curves); timed workloads run one at a time")
     if a.concurrent:  # a fixed KV cache: vLLM then does not size it from a GPU the other runs are filling

@@ -72,3 +72,14 @@ def test_concurrent_runs_are_for_learning_only_with_a_fixed_kv_cache(capsys, tmp
     for line in printed:
         r = recipe_of(shlex.split(line.split("] ", 1)[1]))
         assert r.generation.kv_cache_memory == B.CONCURRENT_KV and r.eval.every_steps == 20
+
+
+def test_the_mps_arm_is_the_overlap_run_with_a_daemon_of_its_own(tmp_path):
+    argv = B.command("overlap-mps", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, [])
+    assert argv == B.command("overlap", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, [])
+    mps = B.Mps(tmp_path / "mps-c256-1-overlap-mps")
+    assert mps.env == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "mps-c256-1-overlap-mps" / "pipe"),
+                       "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "mps-c256-1-overlap-mps" / "log")}  # fmt: skip
+    with pytest.raises(SystemExit):
+        B.main(["--out", str(tmp_path), "--model", "m", "--workload", "arith", "--order", "overlap-mps,off",
+                "--concurrent", "--dry-run"])  # fmt: skip
