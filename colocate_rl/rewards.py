@@ -135,7 +135,9 @@ def tool_call_ok(prompts, completions, **kwargs) -> list[float]:
     return rewards
 
 
-WARM_IMPORTS = {"math_verify": ("math_verify",)}  # what a built-in imports on its first call (a pool imports it first)
+# A built-in's first call imports and builds what it needs (math_verify: sympy, its parsers): a reward pool's process
+# makes this call at its start, before the first training batch
+WARM_CALLS = {"math_verify": {"prompts": [""], "completions": ["6 times 7 is 42.\n#### 42"], "answer": ["#### 42"]}}
 REWARD_COLUMNS = {"answer_match": ("answer",), "math_verify": ("answer",)}  # dataset columns a built-in reward needs
 BUILTIN_REWARDS = {
     f.__name__: f
