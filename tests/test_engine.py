@@ -423,37 +423,38 @@ ZERO3_SCRIPT = textwrap.dedent("""
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = {{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": 3,
            "stage3_param_persistence_threshold": 0}}, "zero_allow_untested_optimizer": True}}
-    with deepspeed.zero.Init(config_dict_or_path=cfg):
-        model = tiny_model(seed=1)
-    ds_engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
-    sharded = [n for n, p in model.named_parameters() if p.numel() == 0]
-    events = []
-    from test_engine import engine_options
-    from types import SimpleNamespace
-    # what TRL's DistributedBackend reads of accelerate's state: the ZeRO stage of DeepSpeed's plugin
-    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
-    eng = E.VLLMEngine(model, accelerator, engine_options(sleep_level=0, bucket_bytes=int(sys.argv[1])),
-                       {{"tensor_parallel_size": 1}}, gather_params(accelerator))
-    eng.llm = FakeLLM(tiny_model(seed=2), events)  # vLLM starts with other weights
-    eng.push_weights()
-    got = dict(eng.llm.vllm_model.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        same = all(torch.equal(got[n], p.data) for n, p in model.named_parameters())
-        differs_before = not all(torch.equal(p.data, q) for p, q in zip(model.parameters(),
-                                 tiny_model(seed=2).parameters()))
-    eng.llm.vllm_model.drop = True
-    with torch.no_grad(), deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
-        for p in model.parameters():
-            p.add_(1.0)
-    try:
+    for bucket_bytes in map(int, sys.argv[1:]):  # each bucket size with its own model, engine and DeepSpeed engine
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = tiny_model(seed=1)
+        ds_engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+        sharded = [n for n, p in model.named_parameters() if p.numel() == 0]
+        events = []
+        from test_engine import engine_options
+        from types import SimpleNamespace
+        # what TRL's DistributedBackend reads of accelerate's state: the ZeRO stage of DeepSpeed's plugin
+        accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+        eng = E.VLLMEngine(model, accelerator, engine_options(sleep_level=0, bucket_bytes=bucket_bytes),
+                           {{"tensor_parallel_size": 1}}, gather_params(accelerator))
+        eng.llm = FakeLLM(tiny_model(seed=2), events)  # vLLM starts with other weights
         eng.push_weights()
-        stale = "not detected"
-    except E.StaleWeightsError as e:
-        stale = str(e)[:60]
-    if torch.distributed.get_rank() == 0:
-        print("RESULT " + json.dumps({{"loads": len(eng.llm.vllm_model.loads) // 2, "same": same,
-                                      "sharded": len(sharded), "stale": stale,
-                                      "differs_before": differs_before}}))
+        got = dict(eng.llm.vllm_model.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            same = all(torch.equal(got[n], p.data) for n, p in model.named_parameters())
+            differs_before = not all(torch.equal(p.data, q) for p, q in zip(model.parameters(),
+                                     tiny_model(seed=2).parameters()))
+        eng.llm.vllm_model.drop = True
+        with torch.no_grad(), deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            for p in model.parameters():
+                p.add_(1.0)
+        try:
+            eng.push_weights()
+            stale = "not detected"
+        except E.StaleWeightsError as e:
+            stale = str(e)[:60]
+        if torch.distributed.get_rank() == 0:
+            print(f"RESULT {{bucket_bytes}} " + json.dumps({{"loads": len(eng.llm.vllm_model.loads) // 2, "same": same,
+                                          "sharded": len(sharded), "stale": stale,
+                                          "differs_before": differs_before}}))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     # Everything is checked and printed. On CPU the interpreter's own teardown aborts now and then
@@ -463,11 +464,17 @@ ZERO3_SCRIPT = textwrap.dedent("""
 """)
 
 
-# 4096 bytes: the fp32 embedding fills one bucket, each layer (9,472 bytes) spreads over ~3, packed in order: 9 loads
-@pytest.mark.slow  # two ranks under DeepSpeed ZeRO-3: ~15 s each
-@pytest.mark.parametrize("bucket_bytes, loads", [(2**30, 1), (4096, 9)])
-def test_zero3_bucketed_push_gathers_full_weights_on_two_ranks(tmp_path, bucket_bytes, loads):
-    script = tmp_path / "zero3_push.py"
+BUCKETS = [(2**30, 1), (4096, 9)]  # (bucket bytes, load_weights calls)
+
+
+@pytest.fixture(scope="module")
+def zero3_pushes(tmp_path_factory) -> tuple[dict[int, dict], str]:
+    """One torchrun of ZERO3_SCRIPT (2 ranks, DeepSpeed ZeRO-3) that pushes with each bucket size of BUCKETS, each
+    with its own model, DeepSpeed engine and engine: its RESULT line per bucket size (a torchrun start is ~10 s on 2
+    cores, so both sizes share one), and the run's stdout."""
+    import json
+
+    script = tmp_path_factory.mktemp("zero3") / "zero3_push.py"
     script.write_text(ZERO3_SCRIPT.format(tests=str(ROOT / "tests")))
     env = {
         **os.environ,
@@ -484,7 +491,7 @@ def test_zero3_bucketed_push_gathers_full_weights_on_two_ranks(tmp_path, bucket_
             "--nproc-per-node",
             "2",
             str(script),
-            str(bucket_bytes),
+            *(str(bucket_bytes) for bucket_bytes, _ in BUCKETS),
         ],
         env=env,
         capture_output=True,
@@ -492,10 +499,21 @@ def test_zero3_bucketed_push_gathers_full_weights_on_two_ranks(tmp_path, bucket_
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    import json
+    results = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("RESULT "):
+            size, out = line.removeprefix("RESULT ").split(" ", 1)
+            results[int(size)] = json.loads(out)
+    return results, result.stdout
 
-    out = json.loads(line.removeprefix("RESULT "))
+
+# 4096 bytes: the fp32 embedding fills one bucket, each layer (9,472 bytes) spreads over ~3, packed in order: 9 loads
+@pytest.mark.slow  # two ranks under DeepSpeed ZeRO-3: ~15 s for both bucket sizes (one torchrun, zero3_pushes)
+@pytest.mark.parametrize("bucket_bytes, loads", BUCKETS)
+def test_zero3_bucketed_push_gathers_full_weights_on_two_ranks(zero3_pushes, bucket_bytes, loads):
+    results, stdout = zero3_pushes
+    assert bucket_bytes in results, stdout[-2000:]  # its RESULT line was printed
+    out = results[bucket_bytes]
     assert out["sharded"] == 38  # every parameter really was partitioned
     assert out["differs_before"] and out["same"] is True  # vLLM received the full, gathered weights
     assert out["loads"] == loads  # one load_weights call per bucket

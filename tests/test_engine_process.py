@@ -143,26 +143,22 @@ def test_stop_reads_an_answer_too_big_for_the_pipe_that_nobody_waits_for(saved, 
     assert line and float(line[0].split(" in ")[1].split()[0]) < 20, line  # measured 5.9 s: the generation's time
 
 
-@pytest.mark.slow  # starts the engine process
-def test_weights_changed_without_a_push_fail_the_check(engine):
+@pytest.mark.slow  # starts the engine process (one for the three failures, in this order: ~4 s a start)
+def test_an_error_keeps_it_serving_stale_weights_fail_the_check_and_its_death_ends_the_call(engine):
+    """Three failures of one engine process, the last one ending it: an error in the engine process is one line and
+    it keeps serving; weights changed without a push fail the check; a dead engine process ends the call with its
+    exit code."""
     eng, model = engine
+    # an error in the engine process is one line, and it keeps serving
+    with pytest.raises(EngineProcessError, match="the generation engine process failed: IndexError"):
+        eng.generate([[10_000]], GREEDY)  # not in the vocabulary
+    assert eng.generate(PROMPTS, GREEDY).completion_ids == here(model)
+    # weights changed without a push fail the check
     with torch.no_grad():
         model.model.norm.weight.add_(1.0)
     with pytest.raises(StaleWeightsError, match=r"model.norm.weight differs \(max abs difference 1\)"):
         eng.check_weights()
-
-
-@pytest.mark.slow  # starts the engine process
-def test_an_error_in_the_engine_process_is_one_line_and_it_keeps_serving(engine):
-    eng, model = engine
-    with pytest.raises(EngineProcessError, match="the generation engine process failed: IndexError"):
-        eng.generate([[10_000]], GREEDY)  # not in the vocabulary
-    assert eng.generate(PROMPTS, GREEDY).completion_ids == here(model)
-
-
-@pytest.mark.slow  # starts the engine process
-def test_a_dead_engine_process_ends_the_call_with_its_exit_code(engine):
-    eng, _ = engine
+    # a dead engine process ends the call with its exit code
     pending = eng.submit(PROMPTS, Sampling(max_tokens=6, temperature=0.0))
     pending.result()
     os.kill(eng.process.pid, signal.SIGKILL)
