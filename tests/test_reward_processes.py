@@ -59,6 +59,10 @@ def test_a_user_reward_runs_in_the_pool_and_its_errors_come_back_with_the_key(tm
         "def pid(prompts, completions, **kw):\n"
         "    assert 'log_metric' not in kw and 'environments' not in kw\n"
         "    return [float(len(c) + len(t)) for c, t in zip(completions, kw['tag'])]\n"
+        "def imports(prompts, completions, trainer_state, **kw):\n"
+        "    import sys\n"
+        "    assert not hasattr(trainer_state, 'log_history')\n"
+        "    return [float(trainer_state.global_step + ('transformers' in sys.modules))] * len(completions)\n"
         "def short(prompts, completions, **kw):\n"
         "    return [1.0]\n"
         "def dies(prompts, completions, **kw):\n"
@@ -69,6 +73,12 @@ def test_a_user_reward_runs_in_the_pool_and_its_errors_come_back_with_the_key(tm
         fn = p.wrap("rw.py:pid", "rewards[1].name", 2)
         assert fn(prompts=["a", "b", "c"], completions=["x", "yy", "zzz"], tag=["q", "qq", "qqq"],
                   environments=[1, 2, 3]) == [2.0, 4.0, 6.0]  # fmt: skip
+        from transformers import TrainerState
+
+        state = TrainerState(global_step=7, log_history=[{"loss": 1.0}] * 1000)
+        # the trainer_state crosses as its plain fields: transformers (and torch) stay out of the pool's processes
+        assert p.wrap("rw.py:imports", "rewards[1].name", 2)(prompts=["a"] * 2, completions=["x"] * 2,
+                                                             trainer_state=state) == [7.0, 7.0]  # fmt: skip
         with pytest.raises(UserError, match=r"rewards\[2\].name rw.py:short: returned 1 values for 2 completions"):
             p.wrap("rw.py:short", "rewards[2].name", 2)(prompts=["a"] * 3, completions=["x"] * 3)
         with pytest.raises(RewardProcessError, match=r"rewards\[3\].name rw.py:dies: a reward process died"):

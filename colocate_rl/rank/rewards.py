@@ -3,15 +3,17 @@ says `processes: N > 1` scored on a pool of N spawned processes, each taking a s
 
 A pool's process imports the reward by its recipe name (a built-in, `module:function` or `file.py:function`, from
 the rank's working directory and sys.path) and gets the call's picklable arguments: prompts, completions,
-completion_ids, trainer_state and the dataset columns, each sliced, not log_metric, log_extra or environments
-(`LOCAL_ONLY`). What can fail: a function's own error is raised in the rank as it was raised (a UserError keeps its
-line); a pool process that dies (killed, out of memory) raises RewardProcessError naming the reward.
+completion_ids and the dataset columns, each sliced, and trainer_state's plain fields (`state_fields`); not
+log_metric, log_extra or environments (`LOCAL_ONLY`). What can fail: a function's own error is raised in the rank as
+it was raised (a UserError keeps its line); a pool process that dies (killed, out of memory) raises
+RewardProcessError naming the reward.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from types import SimpleNamespace
 from typing import Any
 
 from colocate_rl.errors import RewardProcessError, UserError
@@ -67,8 +69,7 @@ def _resolved(name: str, key: str):
 
 def _load(names: tuple[tuple[str, str], ...]) -> None:
     """A pool process's start: import every reward it may score, and call a built-in once on a sample (`WARM_CALLS`),
-    so that what its first call builds is built before the first batch (on the H200, step 1's reward took 19 s with
-    math_verify imported at its first call in 8 processes, 12 s with it imported at the start)."""
+    so that what its first call imports and builds (math_verify: sympy, its parsers) is ready before the first batch."""
     from colocate_rl.rewards import WARM_CALLS
 
     for name, key in names:
@@ -94,6 +95,20 @@ def slices(n: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def state_fields(state) -> SimpleNamespace:
+    """TRL's `trainer_state` as a pool's process gets it: its plain fields (global_step, epoch, max_steps, ...), not
+    its log history. Pickled whole, transformers' TrainerState made every process import transformers and torch at
+    its first call (3 s on CPU, 12 s on the H200 in step 1) and would grow with every logged step."""
+    import dataclasses
+
+    fields = (
+        {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+        if dataclasses.is_dataclass(state)
+        else vars(state)
+    )
+    return SimpleNamespace(**{k: v for k, v in fields.items() if isinstance(v, (bool, int, float, str, type(None)))})
+
+
 class RewardPool:
     """Spawned processes that score reward functions, started at once so that their imports overlap the rank's."""
 
@@ -117,6 +132,8 @@ class RewardPool:
                 raise TypeError(f"{key}: TRL passed positional arguments; colocate-rl passes only keywords")
             n = len(completions)
             shared = {k: v for k, v in kwargs.items() if k not in LOCAL_ONLY}
+            if shared.get("trainer_state") is not None:
+                shared["trainer_state"] = state_fields(shared["trainer_state"])
             try:  # a process that died earlier breaks the pool: submit raises then
                 futures = []
                 for start, stop in slices(n, processes):

@@ -110,8 +110,9 @@ class RewardSpec(_Section):
         "auto",
         description="Processes per rank that score this function's completions, each a slice of the batch (spawned "
         "once per rank). auto: math_verify on up to 8 of the rank's spare CPU cores, any other reward in the trainer's "
-        "process. On more than one process a function gets prompts, completions, completion_ids, trainer_state and "
-        "the dataset columns, not log_metric, log_extra or environments, and must not be async.",
+        "process. On more than one process a function gets prompts, completions, completion_ids, the dataset columns "
+        "and trainer_state's plain fields (global_step, max_steps, ...; no log_history), not log_metric, log_extra "
+        "or environments, and must not be async.",
     )
 
     @model_validator(mode="after")
