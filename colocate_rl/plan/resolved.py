@@ -35,10 +35,15 @@ AUTO_KEYS = (
 AUTO_REWARD_PROCESSES = {"math_verify": 8}
 
 
+def rank_cores(host: Host, nproc_per_node: int) -> int:
+    """A rank's share of the host's CPU cores."""
+    return host.cpu_count // max(nproc_per_node, 1)
+
+
 def reward_processes(recipe: Recipe, host: Host, nproc_per_node: int) -> list[int]:
     """Each reward's `processes` as an integer: `auto` gives a reward of AUTO_REWARD_PROCESSES the rank's spare CPU
-    cores (its share of the host's, less two for the trainer and the engine), when that is 2 or more; else 1."""
-    spare = host.cpu_count // max(nproc_per_node, 1) - 2
+    cores (`rank_cores`, less two for the trainer and the engine), when that is 2 or more; else 1."""
+    spare = rank_cores(host, nproc_per_node) - 2
     out = []
     for reward in recipe.rewards:
         most = AUTO_REWARD_PROCESSES.get((reward.name or "").strip(), 1)
@@ -98,7 +103,7 @@ class Resolved:
             + ([self.overlap_choice.line()] if self.overlap_choice is not None else [])
             + [
                 f"rewards[{i}].processes: auto → {n} ({r.name} scored on {n} processes of the rank's "
-                f"{self.host.cpu_count // max(self.nproc_per_node, 1)} CPU cores)"
+                f"{rank_cores(self.host, self.nproc_per_node)} CPU cores)"
                 for i, (r, n) in enumerate(zip(self.recipe.rewards, self.reward_processes))
                 if r.processes == "auto" and n > 1
             ]

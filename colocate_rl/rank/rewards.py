@@ -162,6 +162,10 @@ def reward_functions(recipe) -> tuple[list, RewardPool | None]:
 
     from colocate_rl.rewards import resolve_reward
 
+    # every function imported here first: one that fails ends the rank before any pool process starts
+    resolved = {
+        i: resolve_reward(r.name, key=f"rewards[{i}].name") for i, r in enumerate(recipe.rewards) if r.model is None
+    }
     parallel = [(r.name, f"rewards[{i}].name") for i, r in enumerate(recipe.rewards) if _processes(r) > 1]
     pool = RewardPool(max(_processes(r) for r in recipe.rewards), parallel) if parallel else None
     funcs = []
@@ -170,11 +174,10 @@ def reward_functions(recipe) -> tuple[list, RewardPool | None]:
         if r.model is not None:  # TRL loads it (sequence classifier, num_labels 1, the policy's dtype)
             funcs.append(os.path.normpath(os.path.expanduser(r.model)))
         elif _processes(r) > 1:
-            resolve_reward(r.name, key=key)  # fails here, in the rank, as it would without a pool
             funcs.append(pool.wrap(r.name, key, _processes(r)))
             print(f"[colocate-rl rewards] {key} {r.name}: scored on {_processes(r)} processes", flush=True)
         else:
-            funcs.append(checked_reward(resolve_reward(r.name, key=key), f"{key} {r.name}"))
+            funcs.append(checked_reward(resolved[i], f"{key} {r.name}"))
     return funcs, pool
 
 
