@@ -192,7 +192,8 @@ def figures(arm: str, run: Path, started: float | None = None) -> dict:
         engine = [r["engine_process/generate_s"] for r in tail if "engine_process/generate_s" in r]
         if engine:  # the engine process's own generation time: beside training, against `off`'s generate phase
             out["engine_generate_s"] = round(statistics.median(engine), 4)
-        out["torch_peak_gib"] = max(r.get("mem/gpu_peak_gib", 0.0) for r in rows)
+        out["torch_peak_gib"] = max((r["mem/torch_peak_gib"] for r in rows if "mem/torch_peak_gib" in r), default=None)
+        out["alloc_retries"] = sum(r.get("mem/alloc_retries", 0) for r in rows)  # GPU full: cache freed, retried
     if trl and rows:
         out["torch_peak_gib"] = max(r.get("torch_peak_gib", 0.0) for r in rows)
     if not trl:

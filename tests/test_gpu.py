@@ -69,6 +69,8 @@ def train(name: str, recipe: str, run_dir: Path, visible: str, *sets: str) -> di
         "gpu_used_gib_at_step_end_median": statistics.median(r["mem/gpu_used_gib"] for r in steps[1:]),
         "gpu_peak_gib_max": max(r["mem/gpu_peak_gib"] for r in steps),
         "torch_allocated_gib_at_step_end_median": statistics.median(r["mem/torch_allocated_gib"] for r in steps[1:]),
+        "torch_peak_gib_max": max(r["mem/torch_peak_gib"] for r in steps),
+        "alloc_retries": sum(r["mem/alloc_retries"] for r in steps),
         "reward_first_last": [round(steps[0]["reward"], 4), round(steps[-1]["reward"], 4)],
         "exit_crash_tolerated": "torchrun exited" in result.stdout,
     }

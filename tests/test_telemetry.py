@@ -100,3 +100,36 @@ def test_telemetry_reaches_trl_logs_with_tokens_per_second(tmp_path):
         "gen/tokens_per_s": 640.0,
     }
     assert tel.pending == {} and extras(trainer, {"loss": 0.2}) == {"loss": 0.2}  # merged once
+
+
+def test_gpu_step_reports_torch_peak_and_allocator_retries_of_that_step(tmp_path, monkeypatch):
+    """On GPU each step reports torch's peak during the step and the allocator's retries during the step (not
+    since the start). No GPU here: torch.cuda's memory counters and NVML are replaced by a fake allocator."""
+    import torch
+
+    gib = 2**30
+    allocator = {"allocated": 2 * gib, "peak": 9 * gib, "retries": 0, "resets": 0}
+
+    def reset_peak():
+        allocator["peak"], allocator["resets"] = allocator["allocated"], allocator["resets"] + 1
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: allocator["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 12 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: allocator["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": allocator["retries"]})
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset_peak)
+    tel = Telemetry(tmp_path, clock=Clock())
+    tel.cuda, tel.handle = True, object()
+    monkeypatch.setattr(tel, "read_memory", lambda: 20.0)
+
+    allocator["retries"] = 2  # two retries in step 1
+    first = tel.step_end(1)
+    assert (first["mem/torch_peak_gib"], first["mem/alloc_retries"]) == (9.0, 2)
+    tel.step_begin()
+    second = tel.step_end(2)  # nothing happened: the peak was reset to what is allocated, no new retries
+    assert (second["mem/torch_peak_gib"], second["mem/alloc_retries"]) == (2.0, 0)
+    allocator["peak"], allocator["retries"] = 30 * gib, 3
+    third = tel.step_end(3)
+    assert (third["mem/torch_peak_gib"], third["mem/alloc_retries"]) == (30.0, 1)
+    assert allocator["resets"] == 3

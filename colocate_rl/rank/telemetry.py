@@ -10,7 +10,11 @@ thread samples memory at ~10 Hz for the step's peak. Each rank writes `timeline/
 into TRL's logs (so they reach metrics.jsonl and any `report_to` backend).
 
 Memory is the driver's view of this rank's GPU (NVML, which includes vLLM's pools) on GPU, or the
-process RSS on CPU. Nothing here raises into training: without NVML the GPU fields are left out.
+process RSS on CPU. On GPU each step also reports torch's own peak (`mem/torch_peak_gib`: the most this process's
+tensors held at once during the step) and `mem/alloc_retries`: how often the caching allocator found the GPU full
+during the step, freed its cache and retried (each retry synchronizes the device and is a warning that the
+configuration is at the edge of the GPU). Nothing here raises into training: without NVML the GPU fields are left
+out.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class Telemetry:
         self._phase_end_mem: dict[str, float] = {}
         self._phase_end_torch: dict[str, float] = {}
         self._peak = 0.0
+        self._retries = 0  # the allocator's num_alloc_retries at the last step's end
         self._overhead = 0.0
         self.pending: dict[str, Any] = {}
 
@@ -210,6 +215,10 @@ class Telemetry:
             metrics.update({f"mem/{k}_end_torch_gib": round(v, 3) for k, v in self._phase_end_torch.items()})
             metrics["mem/torch_allocated_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
             metrics["mem/torch_reserved_gib"] = round(torch.cuda.memory_reserved() / GIB, 3)
+            metrics["mem/torch_peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            metrics["mem/alloc_retries"], self._retries = retries - self._retries, retries
+            torch.cuda.reset_peak_memory_stats()
         elif mem is not None:
             metrics["mem/rss_gib"] = round(mem, 3)
             metrics["mem/rss_peak_gib"] = round(self._peak, 3)

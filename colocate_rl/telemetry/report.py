@@ -26,6 +26,8 @@ MEMORY_ROWS = [(f"end of {p}", f"mem/{p}_end_gib") for p in PHASES] + [
     ("peak during step (driver)", "mem/gpu_peak_gib"),
     ("torch allocated", "mem/torch_allocated_gib"),
     ("torch reserved", "mem/torch_reserved_gib"),
+    ("torch peak during step", "mem/torch_peak_gib"),
+    ("allocator retries (GPU full) per step", "mem/alloc_retries"),
     ("RSS after optimizer step", "mem/rss_gib"),
     ("RSS peak during step", "mem/rss_peak_gib"),
 ]
