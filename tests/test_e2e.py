@@ -14,14 +14,14 @@ pytestmark = pytest.mark.slow
 DDP = ("--set", "distributed.deepspeed=null", "--set", "distributed.deepspeed_overrides={}")
 
 
-def train(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def train(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "colocate_rl", "train", *args, "--run-dir", str(run_dir)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "COLUMNS": "200", **(env or {})},
+        env={**os.environ, "COLUMNS": "200"},
     )
 
 
@@ -30,14 +30,11 @@ def rewards(run_dir: Path) -> list[float]:
     return [r["reward"] for r in records if "reward" in r]
 
 
-def test_quickstart_zero3_two_ranks_learns(tmp_path):
+def test_quickstart_zero3_two_ranks_learns(quickstart_run):
     """The CPU quickstart as shipped (ZeRO-3, 2 ranks, 40 steps): it learns, logs and reports, and compiles no
     DeepSpeed op (its shared-memory op serves only inference all-reduces; building it was most of a first run's
-    start)."""
-    run_dir = tmp_path / "quickstart"
-    extensions = tmp_path / "torch_extensions"
-    extensions.mkdir()
-    result = train(run_dir, "recipes/quickstart.yaml", env={"TORCH_EXTENSIONS_DIR": str(extensions)})
+    start). The run is conftest's `quickstart_run` (tests/test_micro_batch.py compares against its first steps)."""
+    run_dir, result, extensions = quickstart_run
     assert result.returncode == 0, result.stdout[-3000:] + (run_dir / "train.log").read_text()[-5000:]
     assert "ZeRO-3" in result.stdout and list(extensions.iterdir()) == []  # no DeepSpeed op was compiled
     launch = json.loads((run_dir / "launch.json").read_text())

@@ -68,6 +68,28 @@ def engine(saved):
     eng.stop()
 
 
+@pytest.fixture(scope="module")
+def _serving_engines(saved):
+    """The engine processes `serving` started in this module (stopped at its end; stopping twice does nothing)."""
+    engines: list = []
+    yield engines
+    for eng, _ in engines:
+        eng.stop()
+
+
+@pytest.fixture
+def serving(saved, _serving_engines):
+    """An engine process shared by the tests that leave it serving, or stop it last (a start is ~3.5 s on 2 cores):
+    the one before while it runs, else a new one. Each test checks against the shared model as it then is. The test
+    that kills it takes `engine`, its own."""
+    if not _serving_engines or _serving_engines[-1][0].process is None:
+        model = tiny_model(seed=0)
+        eng = P.ProcessEngine(spec(saved), model, no_gather, bucket_bytes=4096, check_weights=True, device="cpu")
+        _serving_engines.append((eng, model))
+        eng.start()
+    return _serving_engines[-1]
+
+
 def test_staging_places_tensors_aligned_and_the_child_views_them_without_a_copy():
     buffer = torch.zeros(4096, dtype=torch.uint8)
     tensors = [("a", torch.arange(5, dtype=torch.float32)), ("b", torch.ones(2, 3, dtype=torch.bfloat16))]
@@ -91,8 +113,8 @@ def test_the_staging_buffer_holds_the_largest_bucket():
 
 
 @pytest.mark.slow  # starts the engine process
-def test_the_engine_process_generates_what_the_rank_would_and_takes_every_push(engine):
-    eng, model = engine
+def test_the_engine_process_generates_what_the_rank_would_and_takes_every_push(serving):
+    eng, model = serving
     assert eng.process.is_alive() and eng.process.pid != os.getpid()
     first = eng.generate(PROMPTS, GREEDY)
     assert first.completion_ids == here(model) and first.engine_s > 0  # timed where it ran
@@ -112,11 +134,11 @@ def test_the_engine_process_generates_what_the_rank_would_and_takes_every_push(e
 
 
 @pytest.mark.slow  # starts the engine process
-def test_a_hold_does_not_wait_for_the_generation_in_flight(engine):
+def test_a_hold_does_not_wait_for_the_generation_in_flight(serving):
     """Overlap submits the next step's batch inside TRL's hold of the engine: leaving the hold must not wait for that
     generation (it did, and the trainer sat idle while vLLM generated: found on the H200). An error in a command
     nobody waits for comes up at the next wait."""
-    eng, model = engine
+    eng, model = serving
     long = Sampling(max_tokens=200, temperature=0.0)
     with eng.hold():
         pending = eng.submit(PROMPTS * 8, long)
@@ -130,13 +152,13 @@ def test_a_hold_does_not_wait_for_the_generation_in_flight(engine):
 
 
 @pytest.mark.slow  # starts the engine process
-def test_stop_reads_an_answer_too_big_for_the_pipe_that_nobody_waits_for(saved, capsys):
+def test_stop_reads_an_answer_too_big_for_the_pipe_that_nobody_waits_for(serving, capsys):
     """The generation an overlapped run takes ahead for a step that never runs: its answer (here ~530 KB, more than
     the pipe's socket buffer; a vLLM batch with logprobs is bigger still) must not keep the engine process from
-    exiting (it did: 30 s per overlapped run on the H200, and 30.1 s here before the fix)."""
-    eng = P.ProcessEngine(spec(saved), tiny_model(seed=0), no_gather, bucket_bytes=4096, check_weights=True,
-                          device="cpu")  # fmt: skip
-    eng.start()
+    exiting (it did: 30 s per overlapped run on the H200, and 30.1 s here before the fix). (It stops the shared
+    engine process: the last test here to take `serving`.)"""
+    eng, _ = serving
+    assert eng.process.is_alive()
     eng.submit([[1, 2, 3]] * 4096, Sampling(max_tokens=200, temperature=1.0))  # never collected
     eng.stop()
     line = [x for x in capsys.readouterr().out.splitlines() if "engine process stopped in" in x]
