@@ -5,8 +5,8 @@ Two kernels stand in for overlap's two sides: `small`, a launch-bound chain of 2
 with tanh (a 135M model's decode step is this size), and `big`, a compute-bound 8192² bf16 matmul. Each stage starts
 its processes on a common start time after their warm-up, so that they really run at once, and prints one JSON line
 per process with its seconds. Stages: each kernel alone; small + big and small + small time-sliced; the same two
-under a job-local MPS daemon (its pipe and log directories under --out; needs `nvidia-cuda-mps-control`). Leaves
-the GPU's compute mode as it is.
+under a job-local MPS daemon (bench_overlap's `Mps`: its pipe and log directories under --out). Leaves the GPU's
+compute mode as it is.
 
     python benchmarks/bench_gpu_sharing.py --out OUT            # ~2 min on an H200
     python benchmarks/bench_gpu_sharing.py --out OUT --dry-run  # the commands, nothing run
@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_overlap import Mps
 
 ITERATIONS = {"small": 300_000, "big": 5_000}  # ~8 s each alone on an H200
 STAGES = [("alone", ("small",)), ("alone", ("big",)), ("timesliced", ("small", "big")),
@@ -66,28 +68,24 @@ def main() -> None:
         return
     if a.out is None:
         p.error("--out is required")
-    mps = {"CUDA_MPS_PIPE_DIRECTORY": str(a.out / "mps" / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(a.out / "mps" / "log")}
-    rows, daemon = [], False
+    mps, mps_env, rows = Mps(a.out / "mps"), None, []
     try:
         for mode, kernels in STAGES:
-            env = {**os.environ, **mps} if mode == "mps" else dict(os.environ)
             argvs = commands(kernels, time.time() + START_DELAY_S)
             if a.dry_run:
                 print(mode, *(" ".join(argv) for argv in argvs), sep="\n  ")
                 continue
-            if mode == "mps" and not daemon:
-                for d in mps.values():
-                    Path(d).mkdir(parents=True, exist_ok=True)
-                subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, check=True)
-                daemon = True
+            if mode == "mps" and mps_env is None:
+                mps_env = mps.start(dict(os.environ))
+            env = mps_env if mode == "mps" else dict(os.environ)
             procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) for argv in argvs]
             seconds = [json.loads(proc.communicate()[0].strip().splitlines()[-1])["s"] for proc in procs]
             row = {"mode": mode, "kernels": list(kernels), "s": seconds}
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        if daemon:
-            subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **mps})
+        if mps_env is not None:
+            mps.stop(mps_env)
     if rows:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

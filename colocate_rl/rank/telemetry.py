@@ -10,11 +10,8 @@ thread samples memory at ~10 Hz for the step's peak. Each rank writes `timeline/
 into TRL's logs (so they reach metrics.jsonl and any `report_to` backend).
 
 Memory is the driver's view of this rank's GPU (NVML, which includes vLLM's pools) on GPU, or the
-process RSS on CPU. On GPU each step also reports torch's own peak (`mem/torch_peak_gib`: the most this process's
-tensors held at once during the step) and `mem/alloc_retries`: how often the caching allocator found the GPU full
-during the step, freed its cache and retried (each retry synchronizes the device and is a warning that the
-configuration is at the edge of the GPU). Nothing here raises into training: without NVML the GPU fields are left
-out.
+process RSS on CPU, plus torch's own counters on GPU (the fields: docs/guide/telemetry.md). Nothing here raises
+into training: without NVML the GPU fields are left out.
 """
 
 from __future__ import annotations
