@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from colocate_rl.rank.adapter import trl_old_logprobs
 from colocate_rl.rank.engine import Generation, GenerationEngine, Sampling, no_phase
 
 # The hooked method's parameters, per trainer (relied on: TRL calls it with prompt token ids from its generation step
@@ -86,7 +87,7 @@ def check_trainer_class(trainer_cls: type) -> list[str]:
         fn = getattr(trainer_cls, name, None)
         source = inspect.getsource(fn) if fn is not None else ""
         problems += [f"trl {base}.{name} no longer has `{n}`" for n in needles if fn is not None and n not in source]
-    return problems
+    return problems + (trl_old_logprobs.check(trainer_cls) if base == "GRPOTrainer" else [])
 
 
 def check_trainer(trainer) -> list[str]:
@@ -222,7 +223,7 @@ class _EngineHooks:
         return super().log(logs, *args, **kwargs)
 
 
-class GRPOHooks(_EngineHooks):
+class GRPOHooks(trl_old_logprobs.OldLogprobsFromLoss, _EngineHooks):
     def _generate(self, prompts):
         """One batch of episodes with the engine held awake over all its turns; each episode's tools guarded."""
         self.turns = 0
