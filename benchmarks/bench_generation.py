@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # colocate_rl from this checkout, installed or not
 PROBE_PATH = ROOT / "benchmarks" / "generation_probe"
 STANDALONE = ROOT / "benchmarks" / "generation_vllm.py"
 STEPS, WARMUP = 12, 2  # 10 measured steps
@@ -123,9 +124,9 @@ def stage_env(base: str, stage: str, args: argparse.Namespace) -> dict[str, str]
     gpus = WORKLOADS[base][0]
     devices = args.devices.split(",")
     trains = stage in ("colocated", "trl")
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(devices[:gpus] if trains else devices[:1])}
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(devices[:gpus] if trains else devices[:1]), "PYTHONPATH": str(ROOT)}
     if trains:
-        env.update(PYTHONPATH=str(PROBE_PATH), COLOCATE_BENCH_PROBE="1")
+        env.update(PYTHONPATH=os.pathsep.join([str(PROBE_PATH), str(ROOT)]), COLOCATE_BENCH_PROBE="1")
     for item in args.env:
         key, _, value = item.partition("=")
         env[key] = value

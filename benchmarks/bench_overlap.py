@@ -87,7 +87,7 @@ def build_1p7b(src: Path, out: Path) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config")):
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template", "generation_config")):
             shutil.copy(f, tmp / f.name)
     tmp.rename(out)
     return out
@@ -157,7 +157,10 @@ def training_start(run: Path) -> float | None:
     if not path.is_file():
         return None
     with path.open() as f:
-        t0 = json.loads(f.readline())["t0"]
+        head = f.readline()
+        if not head.strip():  # the rank failed before its first record
+            return None
+        t0 = json.loads(head)["t0"]
         first = next((json.loads(line) for line in f if '"phase"' in line), None)
     return None if first is None else t0 + first["t"]
 

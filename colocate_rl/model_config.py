@@ -245,7 +245,7 @@ def check_reward_model(name: str, *, key: str, chat: bool) -> dict:
             f"{key}: '{name}' has no tokenizer ({', '.join(TOKENIZER_FILES[:2])}); TRL tokenizes prompt + completion "
             "with the reward model's own tokenizer: save it into that directory (tokenizer.save_pretrained)"
         )
-    if looks_local(name) and chat and not _has_chat_template(folder):
+    if looks_local(name) and chat and not has_chat_template(folder):
         raise UserError(
             f"{key}: '{name}' has no chat template and data.chat is true; TRL formats prompt + completion with the "
             "reward model's chat template: add one to its tokenizer_config.json, or set data.chat: false"
@@ -253,7 +253,7 @@ def check_reward_model(name: str, *, key: str, chat: bool) -> dict:
     return cfg
 
 
-def _has_chat_template(folder: str) -> bool:
+def has_chat_template(folder: str) -> bool:
     """A tokenizer's chat template: in tokenizer_config.json or a chat_template.jinja/.json file beside it."""
     if any(os.path.isfile(os.path.join(folder, f)) for f in ("chat_template.jinja", "chat_template.json")):
         return True

@@ -1073,7 +1073,12 @@ def cached_hub_model(home: Path, repo: str, files: tuple[str, ...]) -> None:
         (snapshot / name).write_text('{"model_type": "llama"}' if name == "config.json" else "{}")
 
 
-LOCAL_MODEL = {"config.json": '{"model_type": "llama"}', "tokenizer.json": "{}", "model.safetensors": "x"}
+LOCAL_MODEL = {
+    "config.json": '{"model_type": "llama"}',
+    "tokenizer.json": "{}",
+    "chat_template.jinja": "{{ messages }}",
+    "model.safetensors": "x",
+}
 LAUNCH_CASES = {  # id: (recipe changes, files, the line)
     "hub-model-offline": (
         {"model": {"name": "org/NoSuchModel"}},
@@ -1101,6 +1106,12 @@ LAUNCH_CASES = {  # id: (recipe changes, files, the line)
         {"model": {"name": "./m"}},
         {k: v for k, v in LOCAL_MODEL.items() if k != "model.safetensors"},
         "/m' holds no weights (no *.safetensors or pytorch_model*.bin)",
+    ),
+    "model-without-chat-template": (  # a tokenizer copied without its chat_template.jinja (transformers 5 saves one)
+        {"model": {"name": "./m"}},
+        {k: v for k, v in LOCAL_MODEL.items() if k != "chat_template.jinja"},
+        "/m' has no chat template and data.chat is true; TRL formats every prompt with the model's chat template: "
+        "set model.chat_template",
     ),
 }
 

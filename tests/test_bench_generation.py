@@ -79,7 +79,7 @@ def test_dry_run_prints_each_workloads_commands_and_runs_nothing(tmp_path, model
     for name, (colocated, same, mp, trl) in by_workload.items():
         gpus = "0,1" if name == "b256" else "0"
         assert colocated.startswith(
-            f"CUDA_VISIBLE_DEVICES={gpus} PYTHONPATH={bench.PROBE_PATH} COLOCATE_BENCH_PROBE=1 "
+            f"CUDA_VISIBLE_DEVICES={gpus} PYTHONPATH={bench.PROBE_PATH}:{bench.ROOT} COLOCATE_BENCH_PROBE=1 "
         )
         argv = shlex.split(colocated.split(" ", 3)[3])
         assert argv[1:5] == ["-m", "colocate_rl", "train", bench.WORKLOADS[name][1]]
@@ -96,8 +96,9 @@ def test_dry_run_prints_each_workloads_commands_and_runs_nothing(tmp_path, model
             "trainer.micro_batch_size=null",
         ]
         for line, stage, variants in ((same, "same", "trl,detok,lean"), (mp, "mp", "trl,lean")):
-            assert line.startswith("CUDA_VISIBLE_DEVICES=0 ")  # standalone: one GPU
-            argv = shlex.split(line.split(" ", 1)[1])
+            # standalone: one GPU, colocate_rl from this checkout (the run on the GPU had none installed)
+            assert line.startswith(f"CUDA_VISIBLE_DEVICES=0 PYTHONPATH={bench.ROOT} ")
+            argv = shlex.split(line.split(" ", 2)[2])
             assert argv[1] == "benchmarks/generation_vllm.py"
             opts = dict(zip(argv[2::2], argv[3::2]))
             assert opts == {

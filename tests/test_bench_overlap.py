@@ -93,3 +93,24 @@ def test_the_xs_arm_is_the_overlap_run_with_expandable_segments_in_its_environme
     for arm in ("overlap-xs", "overlap"):
         B.Run(1, arm, 0, f"c256-1-{arm}", tmp_path / arm, argv).start(tmp_path, {"PATH": "/bin"})
         assert started["env"] == ({"PATH": "/bin", **B.XS_ENV} if arm == "overlap-xs" else {"PATH": "/bin"})
+
+
+def test_the_larger_shape_keeps_the_source_tokenizers_chat_template(tmp_path, monkeypatch):
+    """transformers 5 saves a chat template as chat_template.jinja; without it the d256 run stopped at its rank."""
+    from colocate_rl.builtin_model import build_model
+    from colocate_rl.model_config import has_chat_template
+
+    src = build_model("tiny", tmp_path / "src", seed=0)
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    monkeypatch.setattr(B, "SHAPE_1P7B", {"intermediate_size": 96})
+    shape = B.build_1p7b(src, tmp_path / "shape")
+    assert (shape / "chat_template.jinja").read_text() == "{{ messages }}" and has_chat_template(str(shape))
+
+
+def test_a_run_that_failed_before_its_first_step_is_a_row_without_figures(tmp_path):
+    """A rank that died before writing its timeline (the d256 run) leaves an empty file: the row says so, and the
+    driver goes on to the next arm."""
+    (tmp_path / "timeline").mkdir()
+    (tmp_path / "timeline" / "rank0.jsonl").write_text("")
+    assert B.training_start(tmp_path) is None
+    assert B.figures("overlap", tmp_path, started=0.0)["steps"] == 0

@@ -28,7 +28,9 @@ from colocate_rl.builtin_model import LAYOUTS, builtin_layout
 from colocate_rl.data_check import DataSample
 from colocate_rl.errors import UserError
 from colocate_rl.model_config import (
+    TOKENIZER_FILES,
     gguf_problem,
+    has_chat_template,
     hub_model_problems,
     model_files_problems,
     model_type_problem,
@@ -120,6 +122,14 @@ def _launch_problems(recipe: Recipe, layout: str | None, config: dict[str, Any] 
     if model_ok and layout is None:
         local = config is not None
         problems += model_files_problems(Path(name).expanduser(), f"'{name}'", "model.name") if local else []
+        folder = Path(name).expanduser()
+        tokenizer = local and any((folder / f).is_file() for f in TOKENIZER_FILES)  # else named above
+        if tokenizer and recipe.data.chat and recipe.model.chat_template is None and not has_chat_template(folder):
+            problems.append(
+                f"model.name: '{name}' has no chat template and data.chat is true; TRL formats every prompt with the "
+                "model's chat template: set model.chat_template (a .jinja file), add one to the tokenizer "
+                "(chat_template.jinja), or set data.chat: false"
+            )
         problems += hub_model_problems(name, "model.name") if not local else []
     for source, key in ((recipe.data.source, "data.source"), (recipe.eval.source, "eval.source")):
         problem = source and hub_dataset_problem(source, key)
