@@ -53,6 +53,20 @@ def test_auto_overlaps_where_trainer_and_vllm_fit_awake(tmp_path):
     assert launch["overlap"] is True and launch["engine_process"] is True
 
 
+def test_overlapped_ranks_run_torchs_allocator_on_expandable_segments_unless_the_user_set_it(tmp_path):
+    from colocate_rl.plan.launch_plan import rank_env
+
+    xs = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    overlapped = on_h200(QWEN05, "generation.overlap=one_step", "generation.sleep_level=0")
+    assert rank_env(overlapped, {}, tmp_path).items() >= xs.items()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env(
+        overlapped, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, tmp_path
+    )
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env(on_h200(QWEN05), {}, tmp_path)  # in turn: vLLM's sleep pool
+    cpu = resolved_for(QWEN05, CPU, "generation.overlap=one_step", "generation.sleep_level=0")
+    assert cpu.recipe.generation.overlap == "one_step" and "PYTORCH_CUDA_ALLOC_CONF" not in rank_env(cpu, {}, tmp_path)
+
+
 def test_auto_does_not_overlap_where_vllm_must_sleep_or_something_rules_it_out(tmp_path):
     big = on_h200(QWEN7_1GPU, "generation.overlap=auto", "generation.sleep_level=auto")
     assert big.recipe.generation.sleep_level == 2 and big.recipe.generation.overlap == "off"
