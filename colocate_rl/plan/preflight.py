@@ -121,8 +121,8 @@ def _launch_problems(recipe: Recipe, layout: str | None, config: dict[str, Any] 
     name, problems = recipe.model.name, []
     if model_ok and layout is None:
         local = config is not None
-        problems += model_files_problems(Path(name).expanduser(), f"'{name}'", "model.name") if local else []
         folder = Path(name).expanduser()
+        problems += model_files_problems(folder, f"'{name}'", "model.name") if local else []
         tokenizer = local and any((folder / f).is_file() for f in TOKENIZER_FILES)  # else named above
         if tokenizer and recipe.data.chat and recipe.model.chat_template is None and not has_chat_template(folder):
             problems.append(

@@ -64,7 +64,7 @@ class OldLogprobsFromLoss:
     old_logprobs_from_loss = True  # where valid; False keeps TRL's own forward (tests compare the two)
     _skip_old_forward = False
     _loss_inputs = None  # the micro-batch whose loss forward is running
-    _sampling_stats = None  # the generation batch's local figures for METRICS, over its micro-batches so far
+    _sampling_parts: tuple = ()  # (|Δ logprob|, ratios) of the generation batch's micro-batches so far
 
     @property
     def defers_old_logprobs(self) -> bool:
@@ -138,52 +138,23 @@ class OldLogprobsFromLoss:
 
         mask = mask.bool()
         delta = torch.abs(logps - sampling)
-        delta = delta[mask & ~torch.isnan(delta)]
-        flat = ratio.flatten() if sequence_level else ratio[mask]
-        figures = torch.stack(
-            [
-                delta.sum(),
-                torch.tensor(float(delta.numel()), device=delta.device),
-                delta.max() if delta.numel() else delta.new_tensor(-math.inf),
-                flat.min() if flat.numel() else flat.new_tensor(math.inf),
-                flat.sum(),
-                torch.tensor(float(flat.numel()), device=flat.device),
-                flat.max() if flat.numel() else flat.new_tensor(-math.inf),
-            ]
-        ).float()
-        stats = self._sampling_stats
-        if stats is None:
-            stats = (figures, 1)
-        else:
-            old, n = stats
-            merged = torch.stack(
-                [old[0] + figures[0], old[1] + figures[1], torch.maximum(old[2], figures[2]),
-                 torch.minimum(old[3], figures[3]), old[4] + figures[4], old[5] + figures[5],
-                 torch.maximum(old[6], figures[6])]
-            )  # fmt: skip
-            stats = (merged, n + 1)
-        per_batch = self.args.steps_per_generation if self.model.training else 1
-        if stats[1] < per_batch:
-            self._sampling_stats = stats
-            return
-        self._sampling_stats = None
-        self._log_sampling(stats[0])
+        part = (delta[mask & ~torch.isnan(delta)], ratio.flatten() if sequence_level else ratio[mask])
+        self._sampling_parts = (*self._sampling_parts, part)
+        if len(self._sampling_parts) == (self.args.steps_per_generation if self.model.training else 1):
+            parts, self._sampling_parts = self._sampling_parts, ()
+            self._log_sampling(torch.cat([d for d, _ in parts]), torch.cat([r for _, r in parts]))
 
-    def _log_sampling(self, figures) -> None:
-        """TRL's five `sampling/*` metrics of one generation batch, gathered over the ranks as TRL gathers them."""
+    def _log_sampling(self, delta, ratio) -> None:
+        """TRL's five `sampling/*` metrics of one generation batch (`delta`: |trainer - sampler| log-probabilities of
+        its tokens; `ratio`: its importance-sampling ratios), gathered over the ranks as TRL gathers them."""
         import torch
         from trl.trainer.utils import nanmax, nanmin
 
-        delta_sum, delta_n, delta_max, ratio_min, ratio_sum, ratio_n, ratio_max = figures.unbind()
-        zero = torch.zeros((), device=figures.device)
-        mean_delta = delta_sum / delta_n if delta_n > 0 else zero
-        mean_ratio = ratio_sum / ratio_n if ratio_n > 0 else zero
-        delta_max = delta_max if delta_n > 0 else zero
-        ratio_min, ratio_max = (ratio_min, ratio_max) if ratio_n > 0 else (zero, zero)
+        zero = torch.zeros((), device=delta.device)
         gather = self.accelerator.gather
         metrics = self._metrics["train" if self.model.training else "eval"]
-        metrics[METRICS[0]].append(gather(mean_delta).mean().item())
-        metrics[METRICS[1]].append(gather(delta_max).max().item())
-        metrics[METRICS[2]].append(nanmin(gather(ratio_min)).item())
-        metrics[METRICS[3]].append(gather(mean_ratio).nanmean().item())
-        metrics[METRICS[4]].append(nanmax(gather(ratio_max)).item())
+        metrics[METRICS[0]].append(gather(delta.mean() if delta.numel() else zero).mean().item())
+        metrics[METRICS[1]].append(gather(delta.max() if delta.numel() else zero).max().item())
+        metrics[METRICS[2]].append(nanmin(gather(ratio.min() if ratio.numel() else zero)).item())
+        metrics[METRICS[3]].append(gather(ratio.mean() if ratio.numel() else zero).nanmean().item())
+        metrics[METRICS[4]].append(nanmax(gather(ratio.max() if ratio.numel() else zero)).item())
