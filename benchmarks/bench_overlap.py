@@ -2,7 +2,7 @@
 """Overlap (issue 28), side by side in one invocation on one GPU: colocate-rl with `generation.overlap: one_step`,
 colocate-rl without (`off`; `process`: without, the engine in its own process, for its generation speed alone;
 `overlap-mps`: with, under a CUDA MPS daemon of its own, so that the two processes' kernels can run at once;
-`overlap-xs`: with, torch's caching allocator on expandable segments in the run's processes, `XS_ENV`),
+`overlap-inproc`: with, vLLM's engine core inside the engine process instead of a process of its own),
 and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-batch set by hand: `trl` at share 0.3,
 `trl-lean` at the share one batch needs with the larger micro-batch), in the order given (default A-B-C-A-B-C), on
 256 completions per step of recipes/smollm2-135m-gsm8k.yaml's task.
@@ -42,11 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
 # process: no overlap, the engine in its own process; overlap-mps: overlap with a CUDA MPS daemon of its own (`Mps`)
-ARMS = ("overlap", "off", "process", "trl", "trl-lean", "overlap-mps", "overlap-xs")
-# overlap-xs: segments that grow in place instead of new cudaMalloc blocks, against the fragmentation seen when the
-# GPU filled up at step 5 of c256 (docs/benchmarks); vLLM runs awake in its own process there, so its sleep-mode pool
-# (which refuses expandable segments) is not in use, and CUDA IPC of such memory worked on the H200's container
-XS_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+ARMS = ("overlap", "off", "process", "trl", "trl-lean", "overlap-mps", "overlap-inproc")
 PHASES = ("generate", "prepare", "reward", "train", "weight_sync", "optimizer")
 SHAPE_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                   intermediate_size=8192)  # fmt: skip
@@ -109,6 +105,7 @@ def command(
         f"trainer.seed={seed}",
         f"generation.overlap={'one_step' if arm.startswith('overlap') else 'off'}",
         *(["generation.engine_process=true"] if arm == "process" else []),
+        *(["generation.vllm_multiprocessing=false"] if arm == "overlap-inproc" else []),
         *sets,
     ]
     argv = [sys.executable, "-m", "colocate_rl", "train", RECIPE, "--run-dir", str(run)]
@@ -273,8 +270,6 @@ class Run:
     def start(self, out: Path, env: dict) -> None:
         self.mps = Mps(out / f"mps-{self.name}") if self.arm.endswith("-mps") else None
         self.env = self.mps.start(env) if self.mps is not None else env
-        if self.arm.endswith("-xs"):
-            self.env = {**self.env, **XS_ENV}
         self.peak = PeakMemory()
         self.peak.start()
         self.started = time.time()

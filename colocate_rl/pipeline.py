@@ -176,8 +176,7 @@ def load_resolved(
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
 ) -> tuple[Resolved, dict[str, str]]:
-    """`read_recipe`'s recipe resolved for `host` and checked for a launch there (`for_launch`); returns it and where
-    each node key came from."""
+    """`read_recipe`'s recipe resolved for `host`, checked for a launch there (`for_launch`); and each node key's source."""
     source = read_recipe(recipe, overrides, flags=flags, env=env, cwd=cwd)
     return resolver(source, host, launch=True)({}), source.sources
 
@@ -278,6 +277,7 @@ def _earlier_version_values(recipe: Recipe, spec: LaunchSpec, deepspeed: dict[st
         "trainer.gradient_checkpointing": bool(args.get("gradient_checkpointing")),
         "distributed.zero_stage": zero.stage,
         "generation.engine_process": spec.engine_process,  # False before it existed
+        "generation.vllm_multiprocessing": spec.engine is not None and spec.engine.multiprocessing,
     }
     out = {key: value for key, value in known.items() if key in auto_keys(recipe)}
     if "distributed.zero_stage" in out:

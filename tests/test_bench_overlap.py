@@ -85,14 +85,13 @@ def test_the_mps_arm_is_the_overlap_run_with_a_daemon_of_its_own(tmp_path):
                 "--concurrent", "--dry-run"])  # fmt: skip
 
 
-def test_the_xs_arm_is_the_overlap_run_with_expandable_segments_in_its_environment(tmp_path, monkeypatch):
-    argv = B.command("overlap-xs", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, [])
-    assert argv == B.command("overlap", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, [])
-    started = {}
-    monkeypatch.setattr(B.subprocess, "Popen", lambda argv, **kw: started.update(kw))  # no GPU here: nothing runs
-    for arm in ("overlap-xs", "overlap"):
-        B.Run(1, arm, 0, f"c256-1-{arm}", tmp_path / arm, argv).start(tmp_path, {"PATH": "/bin"})
-        assert started["env"] == ({"PATH": "/bin", **B.XS_ENV} if arm == "overlap-xs" else {"PATH": "/bin"})
+def test_the_inproc_arm_is_the_overlap_run_with_vllms_engine_core_inside_the_engine_process(tmp_path):
+    overlap = recipe_of(B.command("overlap", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, []))
+    inproc = recipe_of(
+        B.command("overlap-inproc", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "r", 12, [])
+    )
+    assert (overlap.generation.vllm_multiprocessing, inproc.generation.vllm_multiprocessing) == ("auto", False)
+    assert overlap.model_copy(update={"generation": inproc.generation, "output": inproc.output}) == inproc
 
 
 def test_the_larger_shape_keeps_the_source_tokenizers_chat_template(tmp_path, monkeypatch):

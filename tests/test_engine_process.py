@@ -205,10 +205,21 @@ def test_the_vllm_engine_process_leaves_torchruns_world():
     from colocate_rl.rank.engine_server import solo_world
 
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x", "MASTER_PORT": "29500", "RANK": "3"}
-    solo_world(env)
+    solo_world(env, 3, multiprocessing=False)
     assert not any(k.startswith("TORCHELASTIC_") for k in env)
     assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] != "29500" and int(env["MASTER_PORT"]) > 0
-    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "CUDA_VISIBLE_DEVICES" not in env
+
+
+@pytest.mark.parametrize(("visible", "local_rank", "sees"), [(None, 3, "3"), ("4,5,6,7", 1, "5"), ("2", 0, "2")])
+def test_vllms_own_engine_core_process_sees_only_the_ranks_gpu(visible, local_rank, sees):
+    """With vLLM's engine core in a process of its own, vLLM's executor takes GPU 0 of what that process sees: the
+    engine process lets it see only the rank's GPU (numbered as the rank numbers them in CUDA_VISIBLE_DEVICES)."""
+    from colocate_rl.rank.engine_server import solo_world
+
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    solo_world(env, local_rank, multiprocessing=True)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and env["CUDA_VISIBLE_DEVICES"] == sees
 
 
 @pytest.mark.slow  # starts the engine process
@@ -231,3 +242,37 @@ def test_a_lora_model_is_pushed_merged_and_checked_under_its_own_module_names(sa
         assert eng.generate(PROMPTS, GREEDY).completion_ids == here(merged)
     finally:
         eng.stop()
+
+
+def test_vllms_worker_loads_and_checks_the_staged_weights_as_collective_rpc_hands_them():
+    """The worker extension that loads and compares weights in vLLM's own engine-core process. vLLM cannot run on
+    CPU, so the worker is a test double: the extension's methods on an object whose `model_runner.model` has vLLM's
+    `load_weights` (here: copy by name) over a real tiny model; the specs arrive as vLLM's msgpack hands them over
+    (tuples as lists, here through JSON). The buffer is the CPU one `stage` fills (on the GPU: `open_shared`)."""
+    import json
+    from types import SimpleNamespace
+
+    from colocate_rl.rank.adapter.vllm import StagedWeightsWorker
+
+    class Model(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def load_weights(self, weights):
+            params = dict(self.named_parameters())
+            with torch.no_grad():
+                for name, value in weights:
+                    params[name].copy_(value)
+
+    source, target = Model(tiny_model(seed=1)), Model(tiny_model(seed=0))
+    worker = StagedWeightsWorker()
+    worker.model_runner = SimpleNamespace(model=target)
+    worker.colocate_rl_buffer = torch.empty(W.staging_bytes(source.named_parameters(), 2**20), dtype=torch.uint8)
+    for bucket in W.fitting(list(source.named_parameters()), worker.colocate_rl_buffer.numel()):
+        specs = json.loads(json.dumps(W.stage(worker.colocate_rl_buffer, bucket)))
+        assert worker.colocate_rl_compare(specs) != []  # before the load: the seeds differ
+        worker.colocate_rl_load(specs)
+        assert worker.colocate_rl_compare(specs) == []
+    for name, param in target.named_parameters():
+        assert torch.equal(param, dict(source.named_parameters())[name]), name

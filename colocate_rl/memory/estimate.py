@@ -2,8 +2,8 @@
 layout (`colocate_rl.memory.shapes`) and the resolved recipe; no torch, transformers or vLLM.
 A phase's total is what one GPU holds: the trainer's resident state, what the phase adds (activations, step
 buffers) and vLLM: its whole share (vllm_gpu_memory_utilization × GPU) while awake, the sleep residue while asleep.
-Estimates: compare them with real runs (docs/benchmarks/gpu-runs.md, `colocate-rl report`). The changes tried when
-a recipe does not fit, and the JSON output, are in `colocate_rl.memory.recommend`."""
+Compare them with real runs (docs/benchmarks/gpu-runs.md, `colocate-rl report`); changes tried when a recipe does
+not fit, and the JSON output: `colocate_rl.memory.recommend`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from colocate_rl.errors import UserError
 from colocate_rl.memory.reward_models import reward_model_bytes, reward_model_notes
 from colocate_rl.memory.shapes import Layout, layout_for, lora_params
 from colocate_rl.plan.deepspeed import ZeroLayout
-from colocate_rl.plan.overlap import engine_in_process
+from colocate_rl.plan.overlap import engine_in_process, vllm_multiprocessing
 from colocate_rl.recipe.values import parse_size
 
 if TYPE_CHECKING:
@@ -352,8 +352,7 @@ def _notes(
             "generation.offload_trainer_during_generation: optimizer states and gradients are on CPU "
             "while vLLM generates (not counted in generation)"
         )
-    lora = resolved.recipe.model.lora
-    if lora is not None:
+    if (lora := resolved.recipe.model.lora) is not None:
         notes.append(
             f"LoRA {lora.summary()}: {trained:,} trainable parameters (fp32); the base weights stay frozen and "
             "vLLM gets them merged with the adapters"
@@ -362,11 +361,13 @@ def _notes(
 
 
 def _engine_process(resolved: Resolved, weight_bytes: float) -> Terms:
-    """`generation.engine_process`: a second CUDA context and the push's staging buffer (its largest bucket)."""
+    """`generation.engine_process`: a second CUDA context (a third with `vllm_multiprocessing`), the push's staging
+    buffer (its largest bucket)."""
     if not engine_in_process(resolved.recipe):
         return {}
     staging = min(resolved.recipe.generation.weight_sync_bucket_mb * 2**20, weight_bytes)
-    return _terms(("engine process (CUDA context, staging buffer)", CUDA_CONTEXT_GIB * GIB + staging, MEMORY_PHASES))
+    contexts = (2 if vllm_multiprocessing(resolved.recipe, resolved.backend) else 1) * CUDA_CONTEXT_GIB * GIB
+    return _terms(("engine process (CUDA context, staging buffer)", contexts + staging, MEMORY_PHASES))
 
 
 def estimate(resolved: Resolved, gpu_gib: float, prompt_tokens: int | None = None) -> Estimate:
@@ -394,7 +395,6 @@ def estimate(resolved: Resolved, gpu_gib: float, prompt_tokens: int | None = Non
     share = _vllm_share(g, gpu_gib, vllm_w, kv["gib"])
     fixed = {ph: sum(v.get(ph, 0.0) for v in terms.values()) + share.asleep[ph] for ph in MEMORY_PHASES}
     terms.update(share.terms)
-    notes = _notes(resolved, kv, share, off_gen, prompt_tokens, state.trained)
-    notes += reward_model_notes(resolved)
+    notes = _notes(resolved, kv, share, off_gen, prompt_tokens, state.trained) + reward_model_notes(resolved)
     host = _host_offload(resolved, n, state, zero, off_gen, vllm_w)
     return Estimate(resolved, lay, gpu_gib, terms, fixed, share.awake, share.need, kv, notes, share.kv_budget, host)

@@ -37,9 +37,11 @@ class EngineOptions:
     bucket_bytes: int  # weight sync: bytes gathered and loaded into vLLM at a time
     offload_trainer: bool  # DeepSpeed states to CPU while vLLM generates
     check_weights: bool  # compare vLLM's tensors with the trainer's after each push
+    multiprocessing: bool  # engine process only: vLLM's engine core in a process of its own
 
     @classmethod
-    def from_generation(cls, gen: GenerationSection) -> EngineOptions:
+    def from_generation(cls, gen: GenerationSection, multiprocessing: bool = False) -> EngineOptions:
+        """`multiprocessing`: `generation.vllm_multiprocessing` as the plan resolved it."""
         from colocate_rl.recipe.values import parse_size
 
         return cls(
@@ -52,6 +54,7 @@ class EngineOptions:
             bucket_bytes=gen.weight_sync_bucket_mb * 2**20,
             offload_trainer=gen.offload_trainer_during_generation,
             check_weights=gen.check_weights,
+            multiprocessing=multiprocessing,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -60,6 +63,7 @@ class EngineOptions:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EngineOptions:
         """Raises ValueError on unknown or missing options (a launch.json of another colocate-rl version)."""
+        data = {"multiprocessing": False, **data}  # written before it existed: vLLM's engine core ran in-process
         names = {f.name for f in fields(cls)}
         if set(data) != names:
             raise ValueError(

@@ -27,7 +27,15 @@ import torch
 
 from colocate_rl.errors import EngineProcessError, UserError
 from colocate_rl.rank.engine import Generation, GenerationEngine, Pending, Sampling
-from colocate_rl.rank.weights import adapter_merge, expected_weights, fitting, stage, staging_bytes, trainer_buckets
+from colocate_rl.rank.weights import (
+    adapter_merge,
+    expected_weights,
+    fitting,
+    shared_handle,
+    stage,
+    staging_bytes,
+    trainer_buckets,
+)
 
 STOP_S = 30.0  # how long `stop` waits for the engine process to exit before it terminates it
 POLL_S = 1.0  # how often a rank waiting for its engine process checks that the process is alive
@@ -72,7 +80,7 @@ class ProcessEngine(GenerationEngine):
         named = self.merge.named_params() if self.merge is not None else self.model.named_parameters()
         size = staging_bytes(named, self.bucket_bytes)
         self.staging = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._call("stage", self.staging)
+        self._call("stage", shared_handle(self.staging) if self.staging.is_cuda else self.staging)
         print(
             f"[colocate-rl engine] engine process {self.process.pid} ({self.spec['kind']}) ready; staging buffer "
             f"{size / 2**20:.1f} MiB on {self.device}",

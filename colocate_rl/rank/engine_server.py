@@ -22,7 +22,7 @@ import torch
 
 from colocate_rl.errors import one_line
 from colocate_rl.rank.engine import Generation, Sampling
-from colocate_rl.rank.weights import compare_weights, staged
+from colocate_rl.rank.weights import compare_weights, open_shared, staged
 
 
 class ChildTransformers:
@@ -42,16 +42,23 @@ class ChildTransformers:
         self.eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.max_model_len = getattr(self.model.config, "max_position_embeddings", 2**62)
         self.weights_valid = True
+        self.buffer = None
 
-    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def stage(self, buffer: torch.Tensor | bytes) -> None:
+        """`buffer`: the rank's staging buffer, or on a GPU its `weights.shared_handle`."""
+        if isinstance(buffer, bytes):
+            buffer = open_shared(buffer, self.device.index if self.device.index is not None else 0)
+        self.buffer = buffer
+
+    def load(self, specs) -> None:
         with torch.no_grad():
-            for name, value in tensors:
+            for name, value in staged(self.buffer, specs):
                 if name not in self.params:
                     raise KeyError(f"the engine's model has no parameter {name}")
                 self.params[name].copy_(value)
 
-    def compare(self, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
-        return compare_weights(dict(tensors), self.params)
+    def compare(self, specs) -> list[str]:
+        return compare_weights(dict(staged(self.buffer, specs)), self.params)
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
         from colocate_rl.rank.hf_engine import generate_with
@@ -77,8 +84,10 @@ class ChildTransformers:
 
 
 def child_vllm(spec: dict[str, Any]):
-    """colocate-rl's VLLMEngine in the child: a world of one process (vLLM's external launcher on a free port, the
-    rank's GPU), its weights loaded from the staging buffer instead of a trainer model in the same process."""
+    """colocate-rl's VLLMEngine in the child, its weights loaded from the staging buffer instead of a trainer model
+    in the same process. vLLM's engine core runs in this process (a world of one process: vLLM's external launcher
+    on a free port, the rank's GPU) or, with the option `multiprocessing`, in a process vLLM starts beside it on the
+    rank's GPU, where the worker extension `adapter.vllm.StagedWeightsWorker` loads and compares the weights."""
     from types import SimpleNamespace
 
     from colocate_rl.plan.engine_options import EngineOptions
@@ -86,16 +95,38 @@ def child_vllm(spec: dict[str, Any]):
     from colocate_rl.rank.vllm_engine import VLLMEngine
 
     class ChildVLLM(VLLMEngine):
+        buffer = None
+
+        def llm_kwargs(self) -> dict[str, Any]:
+            kwargs = super().llm_kwargs()
+            if self.options.multiprocessing:  # vLLM's own executor: one worker in its engine-core process
+                del kwargs["distributed_executor_backend"]
+                kwargs["worker_extension_cls"] = vl.WORKER_EXTENSION
+            return kwargs
+
+        def stage(self, handle: bytes) -> None:
+            if self.options.multiprocessing:
+                problems = self.llm.collective_rpc("colocate_rl_stage", args=(handle,))[0]
+                if problems:
+                    raise RuntimeError("; ".join(problems))
+            else:
+                self.buffer = open_shared(handle, torch.cuda.current_device())
+
         def begin_push(self) -> None:
             if "weights" in self._asleep:
                 self._wake(["weights"])
 
-        def load(self, tensors) -> None:
-            vl.engine_model(self.llm).load_weights(tensors)
+        def load(self, specs) -> None:
+            if self.options.multiprocessing:
+                self.llm.collective_rpc("colocate_rl_load", args=(specs,))
+                return
+            vl.engine_model(self.llm).load_weights(staged(self.buffer, specs))
             torch.cuda.synchronize()  # the rank overwrites the buffer once this answer arrives
 
-        def compare(self, tensors) -> list[str]:
-            return compare_weights(dict(tensors), dict(vl.engine_model(self.llm).named_parameters()))
+        def compare(self, specs) -> list[str]:
+            if self.options.multiprocessing:
+                return self.llm.collective_rpc("colocate_rl_compare", args=(specs,))[0]
+            return compare_weights(dict(staged(self.buffer, specs)), dict(vl.engine_model(self.llm).named_parameters()))
 
         def end_push(self) -> None:
             self._weights_valid = True
@@ -105,34 +136,48 @@ def child_vllm(spec: dict[str, Any]):
         def weights_valid(self) -> bool:
             return self._weights_valid
 
-    solo_world(os.environ)
+    options = EngineOptions.from_json(spec["options"])
+    if options.multiprocessing:
+        import multiprocessing
+
+        multiprocessing.current_process().daemon = False  # may start vLLM's engine core (`_exit` ends it)
+    torch.cuda.set_device(spec["local_rank"])
+    solo_world(os.environ, spec["local_rank"], options.multiprocessing)
     accelerator = SimpleNamespace(
         process_index=0, local_process_index=spec["local_rank"], num_processes=1, wait_for_everyone=lambda: None
     )
-    torch.cuda.set_device(spec["local_rank"])
     engine = ChildVLLM(
         SimpleNamespace(name_or_path=spec["model_path"]),
         accelerator,
-        EngineOptions.from_json(spec["options"]),
+        options,
         {**spec["llm_args"], "tensor_parallel_size": 1},
         lambda params: contextlib.nullcontext(),
         run_dir=None if spec["run_dir"] is None else Path(spec["run_dir"]),
         seed=spec["seed"],
     )
     engine.start()
+    if options.multiprocessing:
+        import multiprocessing
+
+        pids = ", ".join(str(p.pid) for p in multiprocessing.active_children())
+        print(f"[colocate-rl engine] vLLM's engine core runs in process {pids}", flush=True)
     return engine
 
 
-def solo_world(environ) -> None:
-    """Make `environ` (this process's) that of a world of one process for vLLM's external launcher: torchrun's
+def solo_world(environ, local_rank: int, multiprocessing: bool) -> None:
+    """Make `environ` (this process's, after it chose its GPU) that of a world of one process for vLLM: torchrun's
     TORCHELASTIC_* variables removed (with TORCHELASTIC_USE_AGENT_STORE torch waits forever for torchrun's store on
-    the new port: seen on the H200), a free local port (the rank's own belongs to the trainer's process group), vLLM's
-    engine core in this process."""
+    the new port: seen on the H200), a free local port (the rank's own belongs to the trainer's process group). vLLM's
+    engine core in this process, or (`multiprocessing`) in a process of its own that sees only the rank's GPU
+    (`local_rank` of this process's visible ones), which vLLM's own executor then takes as its GPU 0."""
     for name in [n for n in environ if n.startswith("TORCHELASTIC_")]:
         del environ[name]
     environ["MASTER_ADDR"] = "127.0.0.1"
     environ["MASTER_PORT"] = str(_free_port())
-    environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    if multiprocessing:
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local_rank] if visible else str(local_rank)
 
 
 def _free_port() -> int:
@@ -144,13 +189,32 @@ def _free_port() -> int:
 
 
 def _end_with_parent() -> None:
-    """Linux: this process gets SIGTERM when the rank that started it dies."""
+    """This process (and what it started) ends when the rank that started it dies: SIGTERM on Linux."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: _exit(128 + signum))
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _exit(code: int) -> None:
+    """End the processes this one started (vLLM's engine core: nothing else ends it), then this one without
+    interpreter teardown (vLLM's can hang or crash after sleep mode, vLLM #16993)."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve(conn, spec: dict[str, Any]) -> None:
@@ -161,26 +225,26 @@ def serve(conn, spec: dict[str, Any]) -> None:
     except BaseException as e:
         traceback.print_exc()
         conn.send((-1, "error", one_line(e), False))
-        return
+        _exit(1)
     conn.send((-1, "ok", {"max_model_len": engine.max_model_len}, engine.weights_valid))
-    buffer, holds = None, []
+    holds = []
     while True:
         try:
             op, ident, args = conn.recv()
         except (EOFError, OSError):
-            return  # the rank is gone
+            _exit(0)  # the rank is gone
         try:
             result = None
             if op == "stage":
-                buffer = args
+                engine.stage(args)
             elif op == "generate":
                 started = time.perf_counter()
                 result = engine.generate(*args)
                 result.engine_s = time.perf_counter() - started
             elif op == "load":
-                engine.load(staged(buffer, args))
+                engine.load(args)
             elif op == "check":
-                result = engine.compare(staged(buffer, args))
+                result = engine.compare(args)
             elif op in ("begin_push", "end_push", "sleep", "wake"):
                 getattr(engine, op)()
             elif op == "hold_begin":
@@ -190,9 +254,7 @@ def serve(conn, spec: dict[str, Any]) -> None:
                 holds.pop().__exit__(None, None, None)
             elif op == "stop":
                 conn.send((ident, "ok", None, True))
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(0)  # no interpreter teardown: vLLM's can hang or crash after sleep mode (vLLM #16993)
+                _exit(0)
             else:
                 raise ValueError(f"unknown command {op!r}")
             conn.send((ident, "ok", result, engine.weights_valid))

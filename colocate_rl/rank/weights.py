@@ -174,3 +174,27 @@ def staged(buffer: torch.Tensor, specs: list[tuple[str, str, tuple, int]]) -> li
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
         out.append((name, buffer[offset : offset + nbytes].view(dt).view(shape)))
     return out
+
+
+def shared_handle(buffer: torch.Tensor) -> bytes:
+    """A CUDA tensor as bytes that any process on the same GPU opens with `open_shared` (CUDA IPC; relied on: torch's
+    `reduce_tensor` returns `rebuild_cuda_tensor` and its picklable arguments, the device index 7th, as verl uses
+    them). The tensor must outlive every opener's use."""
+    import pickle
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(buffer)
+    return pickle.dumps(args)
+
+
+def open_shared(handle: bytes, device_index: int) -> torch.Tensor:
+    """The tensor `shared_handle` gave, opened on this process's GPU number `device_index` (a process with other
+    CUDA_VISIBLE_DEVICES numbers the same GPU differently)."""
+    import pickle
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = list(pickle.loads(handle))
+    args[6] = device_index
+    return rebuild_cuda_tensor(*args)

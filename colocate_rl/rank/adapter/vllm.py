@@ -1,5 +1,6 @@
-"""Every use of vLLM's internals (pinned: vllm==0.26.0), each with what it relies on. Importing this module does not
-import vLLM; `check` does, and lists what is missing."""
+"""Every use of vLLM's internals (pinned: vllm==0.26.0), each with what it relies on, and of the torch IPC that the
+engine process's staging buffer relies on. Importing this module does not import vLLM; `check` does, and lists what
+is missing."""
 
 from __future__ import annotations
 
@@ -41,6 +42,41 @@ def flat_logprobs(output) -> tuple[list[float | None], list[int]] | None:
     return [None if v != v else v for v in values], list(flat.token_ids)  # v != v: NaN
 
 
+WORKER_EXTENSION = "colocate_rl.rank.adapter.vllm.StagedWeightsWorker"
+
+
+class StagedWeightsWorker:
+    """Methods vLLM's GPU worker gains (`LLM(worker_extension_cls=WORKER_EXTENSION)`) where its engine core runs in a
+    process of its own: they load and compare weights from the rank's staging buffer there, called by
+    `LLM.collective_rpc` (relied on: the worker's `model_runner.model` with `load_weights` and `named_parameters`)."""
+
+    def colocate_rl_stage(self, handle: bytes) -> list[str]:
+        """Open the staging buffer (`weights.shared_handle`); what is missing on this worker, one problem a line."""
+        import torch
+
+        from colocate_rl.rank.weights import open_shared
+
+        self.colocate_rl_buffer = open_shared(handle, torch.cuda.current_device())
+        model = getattr(getattr(self, "model_runner", None), "model", None)
+        missing = [name for name in ("load_weights", "named_parameters") if not hasattr(model, name)]
+        return [f"vllm's worker has no model_runner.model.{name}" for name in missing]
+
+    def colocate_rl_load(self, specs) -> None:
+        import torch
+
+        from colocate_rl.rank.weights import staged
+
+        self.model_runner.model.load_weights(staged(self.colocate_rl_buffer, specs))
+        if self.colocate_rl_buffer.is_cuda:
+            torch.cuda.synchronize()  # the rank overwrites the buffer once this answer arrives
+
+    def colocate_rl_compare(self, specs) -> list[str]:
+        from colocate_rl.rank.weights import compare_weights, staged
+
+        own = dict(self.model_runner.model.named_parameters())
+        return compare_weights(dict(staged(self.colocate_rl_buffer, specs)), own)
+
+
 def check() -> list[str]:
     """What is missing in the installed vLLM for colocate-rl's engine, one problem a line (imports vLLM)."""
     import dataclasses
@@ -51,7 +87,7 @@ def check() -> list[str]:
         from vllm.logprobs import FlatLogprobs
     except ImportError as e:
         return [f"vllm: {e}"]
-    for name in ("wake_up", "sleep", "reset_prefix_cache", "generate"):
+    for name in ("wake_up", "sleep", "reset_prefix_cache", "generate", "collective_rpc"):
         if not hasattr(LLM, name):
             problems.append(f"vllm LLM.{name} is missing")
     fields = {f.name for f in dataclasses.fields(SamplingParams)} if dataclasses.is_dataclass(SamplingParams) else None
@@ -63,7 +99,19 @@ def check() -> list[str]:
     for name in ("logprobs", "token_ids"):
         if name not in getattr(FlatLogprobs, "__dataclass_fields__", {}) and not hasattr(FlatLogprobs, name):
             problems.append(f"vllm FlatLogprobs.{name} is missing")
-    return problems
+    return problems + check_sharing()
+
+
+def check_sharing() -> list[str]:
+    """What `weights.open_shared` relies on in torch (the engine process's staging buffer), one problem a line."""
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    params = list(inspect.signature(rebuild_cuda_tensor).parameters)
+    if params[6:7] != ["storage_device"]:
+        return [f"torch's rebuild_cuda_tensor no longer takes storage_device 7th (it takes {params})"]
+    return []
 
 
 def check_engine(llm) -> list[str]:
