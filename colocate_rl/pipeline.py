@@ -277,7 +277,6 @@ def _earlier_version_values(recipe: Recipe, spec: LaunchSpec, deepspeed: dict[st
         "trainer.gradient_checkpointing": bool(args.get("gradient_checkpointing")),
         "distributed.zero_stage": zero.stage,
         "generation.engine_process": spec.engine_process,  # False before it existed
-        "generation.vllm_multiprocessing": spec.engine is not None and spec.engine.multiprocessing,
     }
     out = {key: value for key, value in known.items() if key in auto_keys(recipe)}
     if "distributed.zero_stage" in out:

@@ -85,13 +85,11 @@ def test_the_mps_arm_is_the_overlap_run_with_a_daemon_of_its_own(tmp_path):
                 "--concurrent", "--dry-run"])  # fmt: skip
 
 
-def test_the_inproc_arm_is_the_overlap_run_with_vllms_engine_core_inside_the_engine_process(tmp_path):
+def test_the_mp_arm_is_the_overlap_run_with_vllms_engine_core_in_a_process_of_its_own(tmp_path):
     overlap = recipe_of(B.command("overlap", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, []))
-    inproc = recipe_of(
-        B.command("overlap-inproc", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "r", 12, [])
-    )
-    assert (overlap.generation.vllm_multiprocessing, inproc.generation.vllm_multiprocessing) == ("auto", False)
-    assert overlap.model_copy(update={"generation": inproc.generation, "output": inproc.output}) == inproc
+    mp = recipe_of(B.command("overlap-mp", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "r", 12, []))
+    assert (overlap.generation.vllm_multiprocessing, mp.generation.vllm_multiprocessing) == (False, True)
+    assert overlap.model_copy(update={"generation": mp.generation, "output": mp.output}) == mp
 
 
 def test_the_larger_shape_keeps_the_source_tokenizers_chat_template(tmp_path, monkeypatch):

@@ -229,28 +229,25 @@ def test_the_memory_estimate_counts_the_engine_process():
 
     inside = estimate(on_h200(QWEN05, "generation.sleep_level=0"), H200_GIB)
     overlap = ("generation.overlap=one_step", "generation.sleep_level=auto")
-    own = estimate(on_h200(QWEN05, *overlap, "generation.vllm_multiprocessing=false"), H200_GIB)
+    own = estimate(on_h200(QWEN05, *overlap), H200_GIB)
     term = own.terms["engine process (CUDA context, staging buffer)"]
     model_gib = 2 * inside.layout.params / 2**30
     assert term["training"] == pytest.approx(CUDA_CONTEXT_GIB + model_gib) and model_gib < 1
     assert "engine process (CUDA context, staging buffer)" not in inside.terms
     assert own.peak()[1] == pytest.approx(inside.peak()[1] + term["training"], abs=0.01)
-    beside = estimate(on_h200(QWEN05, *overlap), H200_GIB).terms["engine process (CUDA context, staging buffer)"]
+    mp = on_h200(QWEN05, *overlap, "generation.vllm_multiprocessing=true")
+    beside = estimate(mp, H200_GIB).terms["engine process (CUDA context, staging buffer)"]
     assert beside["training"] == pytest.approx(term["training"] + CUDA_CONTEXT_GIB)  # vLLM's engine core: a third
 
 
-def test_vllms_engine_core_runs_in_a_process_of_its_own_beside_an_engine_process(tmp_path):
-    """auto: with the engine process (recorded, and in the engine options the ranks read); never in the rank."""
+def test_vllms_engine_core_runs_in_a_process_of_its_own_only_when_asked(tmp_path):
+    """Off by default (beside training it generated slower on the H200); the ranks read it from the engine options."""
     r = on_h200(QWEN05, "generation.overlap=one_step", "generation.sleep_level=auto")
-    assert r.recorded_recipe().generation.vllm_multiprocessing is True
-    assert launch_of(r, tmp_path)["engine"]["multiprocessing"] is True
-    off = on_h200(
-        QWEN05, "generation.overlap=one_step", "generation.sleep_level=0", "generation.vllm_multiprocessing=false"
+    assert launch_of(r, tmp_path)["engine"]["multiprocessing"] is False
+    mp = on_h200(
+        QWEN05, "generation.overlap=one_step", "generation.sleep_level=0", "generation.vllm_multiprocessing=true"
     )
-    assert launch_of(off, tmp_path)["engine"]["multiprocessing"] is False
-    inside = on_h200(QWEN05)
-    assert inside.recorded_recipe().generation.vllm_multiprocessing is False
-    assert launch_of(inside, tmp_path)["engine"]["multiprocessing"] is False
+    assert launch_of(mp, tmp_path)["engine"]["multiprocessing"] is True
 
 
 def test_vllms_engine_core_in_its_own_process_needs_the_engine_process(tmp_path):

@@ -15,7 +15,7 @@ from colocate_rl.errors import UserError
 from colocate_rl.memory.reward_models import reward_model_bytes, reward_model_notes
 from colocate_rl.memory.shapes import Layout, layout_for, lora_params
 from colocate_rl.plan.deepspeed import ZeroLayout
-from colocate_rl.plan.overlap import engine_in_process, vllm_multiprocessing
+from colocate_rl.plan.overlap import engine_in_process
 from colocate_rl.recipe.values import parse_size
 
 if TYPE_CHECKING:
@@ -366,7 +366,7 @@ def _engine_process(resolved: Resolved, weight_bytes: float) -> Terms:
     if not engine_in_process(resolved.recipe):
         return {}
     staging = min(resolved.recipe.generation.weight_sync_bucket_mb * 2**20, weight_bytes)
-    contexts = (2 if vllm_multiprocessing(resolved.recipe, resolved.backend) else 1) * CUDA_CONTEXT_GIB * GIB
+    contexts = (2 if resolved.recipe.generation.vllm_multiprocessing else 1) * CUDA_CONTEXT_GIB * GIB
     return _terms(("engine process (CUDA context, staging buffer)", contexts + staging, MEMORY_PHASES))
 
 

@@ -21,6 +21,7 @@ RECIPE_KEYS = {
     "bucket_bytes": "weight_sync_bucket_mb",
     "offload_trainer": "offload_trainer_during_generation",
     "check_weights": "check_weights",
+    "multiprocessing": "vllm_multiprocessing",
 }
 # recipe keys only colocate-rl's engine honours (TRL's engine has fixed settings; it sleeps at level 0 or 2)
 ENGINE_ONLY_KEYS = tuple(key for option, key in RECIPE_KEYS.items() if option != "sleep_level")
@@ -40,8 +41,7 @@ class EngineOptions:
     multiprocessing: bool  # engine process only: vLLM's engine core in a process of its own
 
     @classmethod
-    def from_generation(cls, gen: GenerationSection, multiprocessing: bool = False) -> EngineOptions:
-        """`multiprocessing`: `generation.vllm_multiprocessing` as the plan resolved it."""
+    def from_generation(cls, gen: GenerationSection) -> EngineOptions:
         from colocate_rl.recipe.values import parse_size
 
         return cls(
@@ -54,7 +54,7 @@ class EngineOptions:
             bucket_bytes=gen.weight_sync_bucket_mb * 2**20,
             offload_trainer=gen.offload_trainer_during_generation,
             check_weights=gen.check_weights,
-            multiprocessing=multiprocessing,
+            multiprocessing=gen.vllm_multiprocessing,
         )
 
     def to_json(self) -> dict[str, Any]:

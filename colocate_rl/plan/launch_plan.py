@@ -20,7 +20,7 @@ from colocate_rl.plan.engine_options import EngineOptions
 from colocate_rl.plan.evaluation import held_out_rows
 from colocate_rl.plan.identity import NODE_RANK_ENV, RECIPE_HASH_ENV, identity_hash, recipe_identity
 from colocate_rl.plan.launch_spec import LaunchSpec
-from colocate_rl.plan.overlap import engine_in_process, vllm_multiprocessing
+from colocate_rl.plan.overlap import engine_in_process
 from colocate_rl.plan.resolved import Resolved
 from colocate_rl.plan.trl_args import trl_args
 from colocate_rl.recipe.load import dump_recipe
@@ -58,7 +58,7 @@ def engine_options(resolved: Resolved) -> EngineOptions | None:
     gen = resolved.recipe.generation
     if resolved.backend != "vllm" or gen.engine != "colocate-rl":
         return None
-    return EngineOptions.from_generation(gen, multiprocessing=vllm_multiprocessing(resolved.recipe, resolved.backend))
+    return EngineOptions.from_generation(gen)
 
 
 def cache_dir(env: Mapping[str, str]) -> Path:

@@ -64,11 +64,11 @@ def check_overlap(recipe: Recipe, backend: str) -> list[str]:
                 "generation.engine_process: true generates on each rank's own GPU; set generation.tensor_parallel_size: "
                 "1, or generation.engine_process: auto"
             )
-    if gen.vllm_multiprocessing is True and (backend != "vllm" or not engine_in_process(recipe)):
+    if gen.vllm_multiprocessing and (backend != "vllm" or not engine_in_process(recipe)):
         problems.append(
             "generation.vllm_multiprocessing: true needs vLLM generating in an engine process of its own (vLLM in "
             "the rank's process shares that process with the trainer); set generation.engine_process: true, or "
-            "generation.vllm_multiprocessing: auto"
+            "generation.vllm_multiprocessing: false"
         )
     return problems
 
@@ -99,10 +99,3 @@ def engine_in_process(recipe: Recipe) -> bool:
     """Whether the engine runs in its own process: `engine_process` true, or auto with overlap on."""
     gen = recipe.generation
     return gen.engine_process is True or (gen.engine_process == "auto" and gen.overlap == "one_step")
-
-
-def vllm_multiprocessing(recipe: Recipe, backend: str) -> bool:
-    """Whether vLLM's engine core runs in a process of its own (beside the engine process): `vllm_multiprocessing`
-    true, or auto with vLLM generating in an engine process."""
-    value = recipe.generation.vllm_multiprocessing
-    return value is True or (value == "auto" and backend == "vllm" and engine_in_process(recipe))

@@ -11,7 +11,7 @@ from typing import Any
 from colocate_rl.plan.choices import LayoutChoice, MicroBatchChoice, OverlapChoice, ShareChoice, SleepChoice
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout
 from colocate_rl.plan.host import Host
-from colocate_rl.plan.overlap import engine_in_process, vllm_multiprocessing
+from colocate_rl.plan.overlap import engine_in_process
 from colocate_rl.plan.preflight import Preflight
 from colocate_rl.recipe.schema import Recipe
 
@@ -26,7 +26,6 @@ AUTO_KEYS = (
     "generation.sleep_level",
     "generation.overlap",
     "generation.engine_process",
-    "generation.vllm_multiprocessing",
     "trainer.gradient_checkpointing",
     "trainer.micro_batch_size",
 )
@@ -125,7 +124,6 @@ class Resolved:
         dist = self.recipe.distributed
         values: dict[str, Any] = {
             "generation.engine_process": engine_in_process(self.recipe),
-            "generation.vllm_multiprocessing": vllm_multiprocessing(self.recipe, self.backend),
             "distributed.nproc_per_node": self.nproc_per_node,
             "distributed.mixed_precision": self.precision,
             "model.dtype": self.model_dtype,

@@ -101,9 +101,9 @@ class GenerationSection(BaseModel):
     engine_process: bool | Literal["auto"] = Field(
         "auto", description="Run the engine in its own process on the rank's GPU; auto = when overlap is on."
     )
-    vllm_multiprocessing: bool | Literal["auto"] = Field(
-        "auto",
+    vllm_multiprocessing: bool = Field(
+        False,
         description="With the engine in its own process: vLLM's engine core in a process of its own beside it "
-        "(vLLM's V1 multiprocessing), so that it schedules and runs the next decoding steps while the last ones' "
-        "output is read; auto = on with the engine process (vLLM in the rank's process cannot).",
+        "(vLLM's V1 multiprocessing). Off by default: beside training it generated slower on an H200 "
+        "(docs/benchmarks, invocation H).",
     )
