@@ -13,7 +13,8 @@ The rows (colocate-rl's engine, alone on one H200 or two, CUDA graphs), by file:
 - engine-results: the three rows of colocate-rl's engine (0.5B sleep 2 and 0; 1.5B ZeRO-3 on 2 GPUs).
 - layouts-results: the colocated rows (1.5B, 2 GPUs, 32 and 256 completions; auto/ZeRO-2, ZeRO-3, DDP).
 - generation-results: the `colocated` part of the unprofiled invocations (a16, a128, c256, with and without
-  micro-batch auto); the first a16 row measured its generate phase only.
+  micro-batch auto; not the engine process's, which the forecast does not model); the first a16 row measured its
+  generate phase only.
 - seam-ab-results: the four 256-completion SmolLM2 rows (no optimizer figure: generation, weight push, s/step).
 - real-model-results: `mode: timing`, full fine-tuning (s/step and weight push only).
 Left out, and why: TRL's engine (engine `*-trl-*`, generation `+trl` and `trl_engine`, same-learning `engine: trl`)
@@ -166,7 +167,7 @@ def load_rows() -> list[Row]:
             key = f"{x['row']} ({x.get('session', '2026-11-30 #1')})"
             add("layouts-results", key, recipe, [*sets, AS_WRITTEN], 2, times, x["median_s_per_step"])
     for x in _jsonl("generation-results.jsonl"):
-        if "+trl" not in x["workload"] and not x.get("profiled"):
+        if "+trl" not in x["workload"] and not x.get("profiled") and "engine_process=true" not in x["commands"][0]:
             c, (recipe, sets) = x["colocated"], command_sets(x["commands"][0])
             first_session = x.get("session") is None and "micro_batch_size" not in x["commands"][0]
             times = {
