@@ -89,6 +89,7 @@ def test_a_cpu_run_gets_no_forecast():
         ("gpu-7b-layout-1gpu", H200, (), "offload"),  # auto's layout offloads the optimizer
         ("smollm2-135m-calculator", H200, (), "tools"),
         ("smollm2-135m-gsm8k", H200, ("generation.overlap=one_step",), "generation.overlap: one_step"),
+        ("smollm2-135m-gsm8k", H200, ("generation.engine_process=true",), "generation.engine_process"),
         ("qwen2.5-72b-grpo-colocate", assumed_host(8, 140.0), (), "several nodes"),  # before any GPU check
         ("quickstart", CPU, ("distributed.nnodes=2", "distributed.rdzv_endpoint=node0:29500"), "several nodes"),
     ],

@@ -19,8 +19,9 @@ in billions (those a token goes through for a mixture of experts):
 lists (H200, vLLM 0.26, TRL 1.16; colocate-rl's engine alone on the GPU with CUDA graphs), `LEAVE_ONE_OUT` the
 errors of that fit with each row left out in turn; `tests/test_forecast.py` checks that both are what the script
 computes. A recipe the rows say nothing about where a step spends its time differently (another GPU or the CPU,
-TRL's engine, eager vLLM, offload, tools, several nodes, tensor parallelism) gets no forecast and the reason;
-what is beyond the rows' range but modelled (size, length, batch, GPUs, checkpointing) is forecast and named.
+TRL's engine, eager vLLM, offload, tools, several nodes, tensor parallelism, overlap, the engine process) gets no
+forecast and the reason; what is beyond the rows' range but modelled (size, length, batch, GPUs, checkpointing) is
+forecast and named.
 """
 
 from __future__ import annotations
@@ -213,6 +214,7 @@ def refusal(resolved: Resolved) -> str | None:
         (r.tools.active, "tools (multi-turn episodes); no row used tools alone on a GPU"),
         (g.tensor_parallel_size > 1, "generation.tensor_parallel_size > 1; the rows ran 1"),
         (g.overlap == "one_step", "generation.overlap: one_step; the rows generated and trained in turn"),
+        (g.engine_process is True, "generation.engine_process; the rows generated in the rank's own process"),
         (bool(fixed), f"trainer.extra_args.{fixed[0] if fixed else ''}; the rows generate once per step"),
     ]
     return next((why for bad, why in reasons if bad), None)
