@@ -205,7 +205,7 @@ def test_the_vllm_engine_process_leaves_torchruns_world():
     from colocate_rl.rank.engine_server import solo_world
 
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x", "MASTER_PORT": "29500", "RANK": "3"}
-    solo_world(env, 3, multiprocessing=False)
+    solo_world(env, 3, core_process=False)
     assert not any(k.startswith("TORCHELASTIC_") for k in env)
     assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] != "29500" and int(env["MASTER_PORT"]) > 0
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "CUDA_VISIBLE_DEVICES" not in env
@@ -218,7 +218,7 @@ def test_vllms_own_engine_core_process_sees_only_the_ranks_gpu(visible, local_ra
     from colocate_rl.rank.engine_server import solo_world
 
     env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
-    solo_world(env, local_rank, multiprocessing=True)
+    solo_world(env, local_rank, core_process=True)
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and env["CUDA_VISIBLE_DEVICES"] == sees
 
 

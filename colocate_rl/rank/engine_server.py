@@ -11,7 +11,9 @@ staging buffer the rank shares (`weights.stage` / `weights.staged`).
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
+import signal
 import sys
 import time
 import traceback
@@ -138,8 +140,6 @@ def child_vllm(spec: dict[str, Any]):
 
     options = EngineOptions.from_json(spec["options"])
     if options.multiprocessing:
-        import multiprocessing
-
         multiprocessing.current_process().daemon = False  # may start vLLM's engine core (`_exit` ends it)
     torch.cuda.set_device(spec["local_rank"])
     solo_world(os.environ, spec["local_rank"], options.multiprocessing)
@@ -157,25 +157,23 @@ def child_vllm(spec: dict[str, Any]):
     )
     engine.start()
     if options.multiprocessing:
-        import multiprocessing
-
         pids = ", ".join(str(p.pid) for p in multiprocessing.active_children())
         print(f"[colocate-rl engine] vLLM's engine core runs in process {pids}", flush=True)
     return engine
 
 
-def solo_world(environ, local_rank: int, multiprocessing: bool) -> None:
+def solo_world(environ, local_rank: int, core_process: bool) -> None:
     """Make `environ` (this process's, after it chose its GPU) that of a world of one process for vLLM: torchrun's
     TORCHELASTIC_* variables removed (with TORCHELASTIC_USE_AGENT_STORE torch waits forever for torchrun's store on
     the new port: seen on the H200), a free local port (the rank's own belongs to the trainer's process group). vLLM's
-    engine core in this process, or (`multiprocessing`) in a process of its own that sees only the rank's GPU
+    engine core in this process, or (`core_process`) in a process of its own that sees only the rank's GPU
     (`local_rank` of this process's visible ones), which vLLM's own executor then takes as its GPU 0."""
     for name in [n for n in environ if n.startswith("TORCHELASTIC_")]:
         del environ[name]
     environ["MASTER_ADDR"] = "127.0.0.1"
     environ["MASTER_PORT"] = str(_free_port())
-    environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
-    if multiprocessing:
+    environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if core_process else "0"
+    if core_process:
         visible = environ.get("CUDA_VISIBLE_DEVICES")
         environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local_rank] if visible else str(local_rank)
 
@@ -190,8 +188,6 @@ def _free_port() -> int:
 
 def _end_with_parent() -> None:
     """This process (and what it started) ends when the rank that started it dies: SIGTERM on Linux."""
-    import signal
-
     signal.signal(signal.SIGTERM, lambda signum, frame: _exit(128 + signum))
     if sys.platform.startswith("linux"):
         import ctypes
@@ -203,8 +199,6 @@ def _end_with_parent() -> None:
 def _exit(code: int) -> None:
     """End the processes this one started (vLLM's engine core: nothing else ends it), then this one without
     interpreter teardown (vLLM's can hang or crash after sleep mode, vLLM #16993)."""
-    import multiprocessing
-
     children = multiprocessing.active_children()
     for child in children:
         child.terminate()
