@@ -44,12 +44,13 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
     """Bind `recipe` to `host` (over its pre-flight `pre`, run here when not given) and resolve the keys that are
     auto by the memory estimate: vLLM's share (what one generation batch needs + a margin), the layout (the fastest
     that fits, estimated with vLLM asleep), `generation.sleep_level` for it (0 when trainer and vLLM fit together,
-    else 2), then `trainer.micro_batch_size` (the largest that fits; none to choose when the step is one micro-batch);
+    else 2), then `trainer.micro_batch_size` (the largest that fits; none to choose when the step is one micro-batch;
+    level 2 instead of 0 where the step-time forecast says a larger micro-batch asleep is faster);
     `generation.overlap: auto` after the sleep level (one_step when vLLM stays awake and nothing rules it out;
     one_step itself makes `sleep_level: auto` 0); the resolved recipe holds the share, sleep level, overlap and
     micro-batch chosen, `recorded_recipe()` every value. Raise one UserError listing every problem."""
     from colocate_rl.memory import autolayout as al
-    from colocate_rl.memory.micro_batch import choose_micro_batch, with_micro_batch
+    from colocate_rl.memory.micro_batch import choose_micro_batch_and_sleep, with_micro_batch
     from colocate_rl.plan.overlap import choose_overlap
 
     pre = pre if pre is not None else preflight(recipe)
@@ -95,10 +96,8 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
         resolved = replace(
             resolved, recipe=resolved.recipe.model_copy(update={"generation": gen}), overlap_choice=choice
         )
-    if recipe.trainer.micro_batch_size == "auto":
-        micro = choose_micro_batch(resolved, gpu_gib)  # None: the step is one micro-batch already
-        size = micro.size if micro is not None else trainer.per_device_train_batch_size
-        resolved = replace(resolved, recipe=with_micro_batch(resolved.recipe, size), micro_batch_choice=micro)
+    if recipe.trainer.micro_batch_size == "auto":  # may turn the sleep level's 0 to 2: see micro_batch
+        resolved = choose_micro_batch_and_sleep(resolved, gpu_gib)
     return resolved
 
 

@@ -100,6 +100,11 @@ def test_hub_table_covers_the_sizes_and_builtin_layouts_agree():
     for layout in LAYOUTS:  # builtin:<layout> goes through builtin_model.LAYOUTS: the released shapes
         if layout not in ("tiny", "tiny-calc"):
             assert S.layout_for(f"builtin:{layout}") == S.HUB_LAYOUTS[f"qwen/{layout}-instruct"], layout
+    # SmolLM2's published sizes (the 1.7B count is also the SmolLM2-1.7B config's that the H200 benchmarks built)
+    smollm2 = {"135m": 134_515_008, "360m": 361_821_120, "1.7b": 1_711_376_384}
+    for size, params in smollm2.items():
+        assert S.layout_for(f"HuggingFaceTB/SmolLM2-{size.upper()}-Instruct").params == params, size
+        assert S.HUB_LAYOUTS[f"huggingfacetb/smollm2-{size}"] == S.HUB_LAYOUTS[f"huggingfacetb/smollm2-{size}-instruct"]
     assert S.layout_for("builtin:tiny").params == 107_072
     assert S.layout_for("builtin:tiny-calc").params == 107_072 + (768 - 512) * 64  # its own 768-token vocabulary
 

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from colocate_rl.cli import app
 from colocate_rl.errors import UserError
+from colocate_rl.memory import forecast as fc
 from colocate_rl.memory import micro_batch as M
 from colocate_rl.memory.autolayout import LAYOUT_HEADROOM
 from colocate_rl.memory.estimate import estimate
@@ -91,13 +92,64 @@ def test_auto_without_a_gpu_keeps_the_recipe():
     assert "no GPU here" in r.micro_batch_choice.reason
 
 
-def test_auto_holds_to_the_sleep_level_chosen_at_the_recipes_micro_batch():
-    """Sleep auto is decided first, at the recipe's micro-batch: a larger micro-batch never turns it to 2."""
-    for gib in (40.0, 64.0, H200_GIB):
+def test_without_a_forecast_auto_holds_to_the_sleep_level_chosen_at_the_recipes_micro_batch():
+    """Sleep auto is decided first, at the recipe's micro-batch; on GPUs the step-time forecast does not cover (not
+    taken as H200s) a larger micro-batch never turns it to 2."""
+    for gib in (40.0, 64.0, 80.0, H200_GIB):
         without = resolved(gib, "generation.sleep_level=auto")
         with_auto = resolved(gib, "generation.sleep_level=auto", AUTO)
         assert with_auto.recipe.generation.sleep_level == without.recipe.generation.sleep_level
         assert with_auto.micro_batch_choice.peak_gib <= gib * (1 - LAYOUT_HEADROOM)
+    # at 80 GiB vLLM asleep would let micro-batches of 64 fit where 32 do awake; no forecast there, so it stays awake
+    awake = resolved(80.0, "generation.sleep_level=auto", AUTO)
+    asleep = resolved(80.0, "generation.sleep_level=2", AUTO)
+    assert (awake.recipe.generation.sleep_level, awake.micro_batch_choice.size) == (0, 32)
+    assert asleep.micro_batch_choice.size == 64 and fc.forecast(awake).reason.startswith("the assumed GPUs have 80 GiB")
+
+
+# 256 completions per rank in micro-batches of 32 at a share that leaves the trainer little while vLLM is awake
+SQUEEZED = ("trainer.per_device_train_batch_size=32", "trainer.gradient_accumulation_steps=8",
+            "generation.vllm_gpu_memory_utilization=0.6", "generation.sleep_level=auto", AUTO)  # fmt: skip
+
+
+def test_auto_sleeps_for_a_larger_micro_batch_where_the_forecast_says_it_is_faster():
+    r = resolved_for(QWEN05, assumed_host(1, H200_GIB), *SQUEEZED)
+    sleep, micro = r.sleep_choice, r.micro_batch_choice
+    assert (r.recipe.generation.sleep_level, micro.size, r.recipe.trainer.gradient_accumulation_steps) == (2, 128, 2)
+    # what the two would be, set by hand: awake only micro-batches of 32 fit
+    awake = resolved_for(QWEN05, assumed_host(1, H200_GIB), *SQUEEZED, "generation.sleep_level=0")
+    assert awake.micro_batch_choice.size == 32
+    fast, slow = fc.forecast(r).s_per_step, fc.forecast(awake).s_per_step
+    assert fast <= slow * (1 - M.SLEEP_FOR_SPEED)
+    assert sleep.reason == (
+        f"faster by the forecast: {fast:.2f} s/step with vLLM asleep while training in micro-batches of 128, "
+        f"{slow:.2f} awake in micro-batches of 32, which fit beside vLLM (peak {sleep.peak_gib:.2f} ≤ "
+        f"{sleep.limit_gib:.1f} GiB at sleep 0)"
+    )
+    assert sleep.peak_gib == pytest.approx(estimate(awake, H200_GIB).peak()[1])  # awake, micro-batches of 32
+    assert micro.peak_gib <= micro.limit_gib  # the larger micro-batch fits with vLLM asleep
+    assert r.recorded_recipe().generation.sleep_level == 2  # a resume re-decides nothing
+
+
+def test_the_measuring_probe_sweeps_level_0_from_the_micro_batch_auto_would_take_awake(tmp_path):
+    from colocate_rl.memory.probe import plan_probe
+
+    r = resolved_for(QWEN05, assumed_host(1, H200_GIB), *SQUEEZED)
+    assert r.sleep_choice.to_json()["awake_micro_batch"] == 32
+    swept = [(c.sleep_level, c.micro_batch) for c in plan_probe(r, H200_GIB, tmp_path).sweep_configs()]
+    assert swept == [(0, 32), (0, 64), (0, 128), (0, 256), (2, 128), (2, 256)]  # awake's choice against auto's
+
+
+def test_auto_stays_awake_where_the_forecast_gains_too_little_or_the_recipe_keeps_vllm_awake(monkeypatch):
+    h200 = assumed_host(1, H200_GIB)
+    fixed = resolved_for(QWEN05, h200, *SQUEEZED, "generation.sleep_level=0")
+    assert (fixed.recipe.generation.sleep_level, fixed.micro_batch_choice.size) == (0, 32)
+    overlapped = resolved_for(QWEN05, h200, *SQUEEZED, "generation.overlap=one_step")
+    assert (overlapped.recipe.generation.sleep_level, overlapped.micro_batch_choice.size) == (0, 32)
+    monkeypatch.setattr(M, "SLEEP_FOR_SPEED", 0.5)  # a forecast must now save half the step
+    r = resolved_for(QWEN05, h200, *SQUEEZED)
+    assert (r.recipe.generation.sleep_level, r.micro_batch_choice.size) == (0, 32)
+    assert r.sleep_choice.reason.startswith("trainer and vLLM fit together (peak ")
 
 
 @pytest.mark.parametrize(

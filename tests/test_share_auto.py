@@ -32,8 +32,11 @@ def test_the_trainer_gets_the_rest_a_larger_micro_batch_than_at_the_fixed_share(
     auto = resolved(BIG_STEP, H200)
     assert auto.recipe.generation.vllm_gpu_memory_utilization < 0.6
     micro = [r.recipe.trainer.per_device_train_batch_size for r in (fixed, auto)]  # the micro-batch, resolved
-    assert micro == [32, 128]  # 256 completions in 8 micro-batches at share 0.6, in 2 at auto's
-    assert auto.recipe.generation.sleep_level == 0
+    levels = [r.recipe.generation.sleep_level for r in (fixed, auto)]
+    # 256 completions: at share 0.6 awake only micro-batches of 32 fit, so vLLM sleeps to train in 2 of 128 (the
+    # forecast's choice); at auto's share 2 of 128 fit awake
+    assert (micro, levels) == ([128, 128], [2, 0])
+    assert fixed.sleep_choice.reason.startswith("faster by the forecast: ")
 
 
 def test_without_a_gpu_or_with_a_kv_budget_auto_is_the_default_share():

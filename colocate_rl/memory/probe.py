@@ -168,14 +168,20 @@ class ProbePlan:
 
     def sweep_configs(self) -> list[Config]:
         """What the sweep tries: auto's sleep levels (else the recipe's level) × auto's micro-batch and every larger
-        divisor of the step's completions (else the recipe's micro-batch)."""
-        recipe, micro = self.resolved.recipe, self.resolved.micro_batch_choice
-        levels = AUTO_SLEEP_LEVELS if self.resolved.sleep_choice is not None else (recipe.generation.sleep_level,)
+        divisor of the step's completions (else the recipe's micro-batch); at level 0 from the micro-batch taken
+        awake where the forecast chose level 2 for a larger one."""
+        recipe, micro, sleep = self.resolved.recipe, self.resolved.micro_batch_choice, self.resolved.sleep_choice
+        levels = AUTO_SLEEP_LEVELS if sleep is not None else (recipe.generation.sleep_level,)
+        if micro is None:
+            return configs(levels, (recipe.trainer.per_device_train_batch_size,))
         total = recipe.trainer.step_completions
-        sizes = (recipe.trainer.per_device_train_batch_size,)
-        if micro is not None:
-            sizes = tuple(m for m in range(micro.size, total + 1) if total % m == 0)
-        return configs(levels, sizes)
+        awake = sleep.awake_micro_batch if sleep is not None and sleep.awake_micro_batch else micro.size
+        divisors = [m for m in range(1, total + 1) if total % m == 0]
+        return [
+            c
+            for level in levels
+            for c in configs((level,), tuple(m for m in divisors if m >= (awake if level == 0 else micro.size)))
+        ]
 
 
 def plan_probe(

@@ -89,8 +89,10 @@ def _hub_table() -> dict[str, Layout]:
     for size, shape in {"8b": (4096, 32, 32, 8, 14336), "70b": (8192, 80, 64, 8, 28672)}.items():
         for suffix in ("", "-instruct"):
             table[f"meta-llama/meta-llama-3-{size}{suffix}"] = Layout(*shape, 128256, False, 8192, qkv_bias=False)
-    for name in ("huggingfacetb/smollm2-135m", "huggingfacetb/smollm2-135m-instruct"):
-        table[name] = Layout(576, 30, 9, 3, 1536, 49152, True, 8192, qkv_bias=False)
+    smollm2 = {"135m": (576, 30, 9, 3, 1536), "360m": (960, 32, 15, 5, 2560), "1.7b": (2048, 24, 32, 32, 8192)}
+    for size, shape in smollm2.items():
+        for suffix in ("", "-instruct"):
+            table[f"huggingfacetb/smollm2-{size}{suffix}"] = Layout(*shape, 49152, True, 8192, qkv_bias=False)
     return table
 
 

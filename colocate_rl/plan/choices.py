@@ -161,19 +161,26 @@ class ShareChoice:
 @dataclass(frozen=True)
 class SleepChoice:
     """What `generation.sleep_level: auto` chose and why; the estimated peak at sleep 0 and the limit it was held to
-    (None when nothing was estimated)."""
+    (None when nothing was estimated); the micro-batch taken awake where the forecast chose 2 for a larger one."""
 
     level: int
     reason: str
     peak_gib: float | None = None
     limit_gib: float | None = None
+    awake_micro_batch: int | None = None
 
     def line(self) -> str:
         return f"generation.sleep_level auto: {self.level} — {self.reason}"
 
     def to_json(self) -> dict[str, Any]:
         rounded = [None if x is None else round(x, 3) for x in (self.peak_gib, self.limit_gib)]
-        return {"level": self.level, "reason": self.reason, "peak_gib_at_sleep_0": rounded[0], "limit_gib": rounded[1]}
+        return {
+            "level": self.level,
+            "reason": self.reason,
+            "peak_gib_at_sleep_0": rounded[0],
+            "limit_gib": rounded[1],
+            "awake_micro_batch": self.awake_micro_batch,
+        }
 
     def confirm(self, measured_peak_gib: float) -> tuple[bool, str]:
         """For the measured `mem-probe` (its trials ran at this level): at level 0, does the measured peak stay

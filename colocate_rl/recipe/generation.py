@@ -42,7 +42,9 @@ class GenerationSection(BaseModel):
         description="vLLM sleep mode while the trainer runs: 0 = off (vLLM keeps its memory), 1 = weights "
         "copied to CPU and KV cache freed, 2 = weights and KV cache freed (the trainer's weights are pushed "
         "after every wake); auto = 0 when the memory estimate has trainer and vLLM fit together with the margin "
-        "`zero_stage: auto` keeps, else 2 (also when there is no GPU memory to compare with). The engine `trl` "
+        "`zero_stage: auto` keeps, else 2 (also when there is no GPU memory to compare with); with "
+        "trainer.micro_batch_size auto, 2 instead of 0 where the step-time forecast has a larger micro-batch with "
+        "vLLM asleep at least 5 % faster. The engine `trl` "
         "supports only 0 and 2.",
     )
     kv_cache_memory: PositiveInt | str | None = Field(
