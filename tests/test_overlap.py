@@ -53,16 +53,23 @@ def test_auto_overlaps_where_trainer_and_vllm_fit_awake(tmp_path):
     assert launch["overlap"] is True and launch["engine_process"] is True
 
 
-def test_overlapped_ranks_run_torchs_allocator_on_expandable_segments_unless_the_user_set_it(tmp_path):
+def test_ranks_beside_an_awake_engine_process_run_torchs_allocator_on_expandable_segments_unless_the_user_set_it(
+    tmp_path,
+):
     from colocate_rl.plan.launch_plan import rank_env
 
     xs = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     overlapped = on_h200(QWEN05, "generation.overlap=one_step", "generation.sleep_level=0")
     assert rank_env(overlapped, {}, tmp_path).items() >= xs.items()
+    awake = on_h200(QWEN05, "generation.engine_process=true", "generation.sleep_level=0")  # without overlap too
+    assert awake.recipe.generation.overlap == "off" and rank_env(awake, {}, tmp_path).items() >= xs.items()
     assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env(
         overlapped, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, tmp_path
     )
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env(on_h200(QWEN05), {}, tmp_path)  # in turn: vLLM's sleep pool
+    asleep = on_h200(QWEN05, "generation.engine_process=true", "generation.sleep_level=2")  # vLLM's sleep pool
+    in_rank = on_h200(QWEN05, "generation.sleep_level=0")  # the engine in the rank's process: not measured
+    for r in (asleep, in_rank, on_h200(QWEN05)):
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env(r, {}, tmp_path)
     cpu = resolved_for(QWEN05, CPU, "generation.overlap=one_step", "generation.sleep_level=0")
     assert cpu.recipe.generation.overlap == "one_step" and "PYTORCH_CUDA_ALLOC_CONF" not in rank_env(cpu, {}, tmp_path)
 

@@ -87,9 +87,11 @@ def rank_env(
     }
     if resolved.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-    if resolved.device == "cuda" and resolved.recipe.generation.overlap == "one_step":
-        # the trainer's cache grows in place beside the awake engine instead of filling the GPU with new blocks and
-        # retrying (docs/guide/engine.md#overlap-and-memory); no sleep mode, whose pool refuses it, runs under overlap
+    gen = resolved.recipe.generation
+    if resolved.device == "cuda" and engine_in_process(resolved.recipe) and gen.sleep_level == 0:
+        # the trainer's cache grows in place beside the awake engine process instead of filling the GPU with new
+        # blocks and retrying, which left the engine's allocator no room (docs/guide/engine.md); not with sleep mode,
+        # whose pool refuses it (overlap keeps sleep level 0)
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     hub_rewards = [r.model for r in resolved.recipe.rewards if r.model is not None and not looks_local(r.model)]
     if resolved.builtin_layout and not hub_rewards:  # a hub reward model is downloaded on the ranks
