@@ -399,6 +399,8 @@ def test_one_real_trial_of_the_quickstart_on_cpu(tmp_path, monkeypatch):
 
     step2 = [r for r in read_metrics(result.run_dir) if r.get("step") == 2 and "time/step_s" in r]
     assert result.s_per_step == round(step2[0]["time/step_s"], 3) and 0 < result.s_per_step < result.seconds
+    assert result.phase_s["generate"] == round(step2[0]["time/generate_s"], 3) and "train" in result.phase_s
+    assert result.forecast_s is None  # a CPU run: the forecast covers H200s with vLLM
     assert result.record()["s_per_step"] == result.s_per_step  # in the probe's JSON
 
 
@@ -847,6 +849,45 @@ def test_the_sweep_recommends_the_fastest_that_fits_and_says_why_the_others_lost
     data = sweep.to_json()
     assert data["fastest"]["verdict"] == "fastest" and data["fastest"]["s_per_step"] == 2.9
     assert [c["outcome"] for c in data["configs"]].count(None) == 2
+
+
+def test_the_sweep_table_sets_each_configurations_forecast_beside_its_measured_step():
+    from rich.console import Console
+
+    from colocate_rl.cli.memory import sweep_table
+    from colocate_rl.memory.sweep import configs, run_sweep
+
+    sweep = run_sweep(timed({(0, 64): (2.9, 90.0), (2, 64): (3.2, 55.0)}), configs((0, 2), (64,)), 126.4, 0.3)
+    sweep.entries[0].trial.forecast_s, sweep.entries[1].trial.forecast_s = 3.16, None
+    console = Console(width=200, record=True)
+    console.print(sweep_table(sweep))
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in console.export_text().splitlines() if "│" in line]
+    forecast = {(row[0], row[1]): row[4] for row in cells}  # (sleep level, micro-batch) → the forecast's cell
+    assert forecast == {("0", "64"): "3.16 (+9 %)", ("2", "64"): "none"}
+    assert sweep.to_json()["fastest"]["forecast_s"] == 3.16
+
+
+def test_a_trials_timing_is_the_median_of_the_steps_after_the_first_and_its_forecast(tmp_path):
+    records = [
+        {"step": 1, "time/step_s": 9.0, "time/generate_s": 5.0, "time/train_s": 3.0},  # warm-up: left out
+        {"step": 2, "time/step_s": 3.0, "time/generate_s": 1.5, "time/train_s": 0.7},
+        {"step": 3, "time/step_s": 3.4, "time/generate_s": 1.7, "time/train_s": 0.9, "time/wake_s": 0.1},
+        {"step": 4, "time/step_s": 3.2, "time/generate_s": 1.6, "time/train_s": 0.8},
+    ]
+    assert P.trial_timing(tmp_path, records) == (3.2, {"generate": 1.6, "train": 0.8, "wake": 0.1}, None)
+    (tmp_path / "forecast.json").write_text(json.dumps({"available": True, "s_per_step": 3.05}))
+    assert P.trial_timing(tmp_path, records)[2] == 3.05
+    (tmp_path / "forecast.json").write_text(json.dumps({"available": False, "reason": "a CPU run"}))
+    assert P.trial_timing(tmp_path, records[:1]) == (None, {}, None)
+
+
+def test_a_trials_run_directory_holds_the_forecast_of_its_configuration(tmp_path):
+    from colocate_rl.memory import forecast as fc
+
+    _, trial, plan = plan_shipped("smollm2-135m-gsm8k", H200, tmp_path)
+    record = json.loads(plan.files["forecast.json"])
+    assert record["available"] and record["s_per_step"] == round(fc.forecast(trial).s_per_step, 4)
+    assert record["max_steps"] == 3  # the trial's steps, not the recipe's
 
 
 def test_a_sweep_where_nothing_fits_recommends_nothing():

@@ -48,16 +48,18 @@ def trials_table(trials) -> Table:
 
 def sweep_table(sweep) -> Table:
     table = Table(title=f"configurations at share {sweep.share:g} (limit {sweep.limit_gib:.1f} GiB peak)")
-    for col in ("sleep level", "micro-batch", "result", "s/step", "peak GiB", "verdict"):
+    for col in ("sleep level", "micro-batch", "result", "s/step", "forecast", "peak GiB", "verdict"):
         table.add_column(col, justify="left" if col in ("result", "verdict") else "right")
     for e in sweep.entries:
         t = e.trial
         result = "not tried" if t is None else t.outcome if t.ok else f"[red]{t.outcome}[/]"
+        timed = t is not None and t.s_per_step is not None
         table.add_row(
             str(e.config.sleep_level),
             str(e.config.micro_batch),
             result,
-            "" if t is None or t.s_per_step is None else f"{t.s_per_step:.2f}",
+            f"{t.s_per_step:.2f}" if timed else "",
+            e.forecast_cell,
             "" if e.peak is None else f"{e.peak:.2f}",
             e.verdict or "[bold]fastest[/]",
         )

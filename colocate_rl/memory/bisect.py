@@ -25,6 +25,8 @@ class TrialResult:
     peaks: dict[str, float] = field(default_factory=dict)  # estimator phase → GiB (max over ranks)
     raw_peaks: dict[str, float] = field(default_factory=dict)  # telemetry phase → GiB, nested phases included
     s_per_step: float | None = None  # median time/step_s of the steps after the first (None: fewer than 2 steps)
+    phase_s: dict[str, float] = field(default_factory=dict)  # timed phase (time/<name>_s) → median over those steps
+    forecast_s: float | None = None  # the step-time forecast of the trial's configuration (None: none for it)
     log_tail: str = ""
 
     @property

@@ -21,6 +21,7 @@ fits, a trial that does not plan).
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -106,7 +107,10 @@ def trial_name(k: int, util: float) -> str:
 
 
 def plan_trial(resolved: Resolved, run_dir: Path) -> LaunchPlan:
-    """A trial's launch plan: the resolved recipe (with `trial_overrides`) run like `train` runs it, from here."""
+    """A trial's launch plan: the resolved recipe (with `trial_overrides`) run like `train` runs it, from here, with
+    the step-time forecast of its configuration in forecast.json."""
+    from colocate_rl.memory.forecast import forecast, forecast_json
+
     return make_plan(
         resolved,
         run_dir=Path(run_dir).absolute(),
@@ -114,7 +118,25 @@ def plan_trial(resolved: Resolved, run_dir: Path) -> LaunchPlan:
         cwd=Path.cwd(),
         cache_dir=cache_dir(os.environ),
         base_env=os.environ,
+        forecast=forecast_json(forecast(resolved)),
     )
+
+
+def trial_timing(run_dir: Path, records: list[dict[str, Any]]) -> tuple[float | None, dict[str, float], float | None]:
+    """A trial's (s/step, phase → s, forecast s/step) from its step `records`: medians over the steps after the first
+    (the first compiles and warms up; None / {} with fewer than 2 steps), and forecast.json's s/step (None when the
+    run directory has none or the forecast does not cover the configuration)."""
+    timed = [r for r in records if r["step"] > 1 and isinstance(r.get("time/step_s"), (int, float))]
+    names = sorted({k for r in timed for k in r if k.startswith("time/") and k.endswith("_s") and k != "time/step_s"})
+    phases = {
+        k[5:-2]: round(statistics.median(values), 3)
+        for k in names
+        if (values := [r[k] for r in timed if isinstance(r.get(k), (int, float))])
+    }
+    step = round(statistics.median(r["time/step_s"] for r in timed), 3) if timed else None
+    path = RunDir(run_dir).forecast
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    return step, phases, record.get("s_per_step") if record.get("available") else None
 
 
 def run_trial(plan: LaunchPlan, util: float, steps: int, timeout_s: float = 900) -> TrialResult:
@@ -130,12 +152,11 @@ def run_trial(plan: LaunchPlan, util: float, steps: int, timeout_s: float = 900)
         if isinstance(r.get("step"), int) and ("reward" in r or "loss" in r) and "train_runtime" not in r
     ]
     steps_done = max((r["step"] for r in records), default=0)
-    timed = [r["time/step_s"] for r in records if r["step"] > 1 and isinstance(r.get("time/step_s"), (int, float))]
     log = run.log.read_text(errors="replace") if run.log.exists() else ""
     peaks, raw = phase_peaks(run_dir) if RunDir(run_dir).timeline_dir.is_dir() else ({}, {})
     seconds = round(time.monotonic() - begin, 1)
     result = TrialResult(util, OK, seconds, steps_done, str(run_dir), peaks=peaks, raw_peaks=raw)
-    result.s_per_step = round(statistics.median(timed), 3) if timed else None
+    result.s_per_step, result.phase_s, result.forecast_s = trial_timing(run_dir, records)
     if run.timed_out:
         result.outcome, result.detail = TIMEOUT, f"no result after {timeout_s:g} s (--trial-timeout); ended it"
     elif run.torchrun_code != 0 or steps_done < steps:

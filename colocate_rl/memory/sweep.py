@@ -48,6 +48,16 @@ class Entry:
     def peak(self) -> float | None:
         return max(self.trial.peaks.values()) if self.trial is not None and self.trial.peaks else None
 
+    @property
+    def forecast_cell(self) -> str:
+        """The configuration's step-time forecast and how far it is off the measured s/step: `3.16 (+9 %)`; `none`
+        where the forecast does not cover it; "" when not tried."""
+        t = self.trial
+        if t is None or t.forecast_s is None:
+            return "" if t is None else "none"
+        off = f" ({100 * (t.forecast_s - t.s_per_step) / t.s_per_step:+.0f} %)" if t.s_per_step else ""
+        return f"{t.forecast_s:.2f}{off}"
+
     def record(self) -> dict[str, Any]:
         t = self.trial
         return {
@@ -55,6 +65,8 @@ class Entry:
             "micro_batch": self.config.micro_batch,
             "outcome": None if t is None else t.outcome,
             "s_per_step": None if t is None else t.s_per_step,
+            "forecast_s": None if t is None else t.forecast_s,
+            "phase_s": None if t is None else t.phase_s,
             "peak_gib": None if self.peak is None else round(self.peak, 3),
             "run_dir": None if t is None else t.run_dir,
             "verdict": self.verdict or "fastest",
