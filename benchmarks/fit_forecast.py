@@ -17,11 +17,15 @@ The rows (colocate-rl's engine, alone on one H200 or two, CUDA graphs), by file:
   generate phase only.
 - seam-ab-results: the four 256-completion SmolLM2 rows (no optimizer figure: generation, weight push, s/step).
 - real-model-results: `mode: timing`, full fine-tuning (s/step and weight push only).
+- overlap-results: the `off` runs (colocate-rl without overlap, alone on one H200, SmolLM2-135M at 256 completions;
+  not B-mps, which ran under MPS); F ran after e3de169 (GRPO without TRL's old-logprob forward), the others before.
+Every row but F ran TRL's old-logprob forward (`Shape.old_forward`). A row whose plan `auto` would now settle by the
+forecast itself (sleep level 2 for a larger micro-batch) is refused: the fit must not move the rows it fits.
 Left out, and why: TRL's engine (engine `*-trl-*`, generation `+trl` and `trl_engine`, same-learning `engine: trl`)
 and TRL's server mode (layouts `server*`): another engine, which gets no forecast; the profiled invocations
 (generation `profiled`: the torch profiler ran, and the machine drifted, README "Speed"); runs sharing a GPU
 (real-model `matrix`, same-learning, tools) and eager vLLM (tools, mem-probe: no step times either); the LoRA
-timing row (LoRA is not modelled; its error is printed apart).
+timing row (LoRA is not modelled; its error is printed apart); overlapped runs (overlap is not modelled).
 """
 
 from __future__ import annotations
@@ -88,6 +92,12 @@ RECIPES = {
     },
 }
 AS_WRITTEN = "trainer.micro_batch_size=null"  # rows measured before `micro_batch_size: auto` existed
+# overlap-results' `off` runs (colocate-rl without overlap, alone on the GPU): what their plans chose, from the
+# benchmarks README (share and micro-batch; the prompts' measured length is not known here); B-mps ran under MPS
+PLANNED = ("generation.sleep_level=0", "distributed.deepspeed=zero3", "distributed.zero_stage=2")  # as they ran
+SHARE_03 = (*PLANNED, "generation.vllm_gpu_memory_utilization=0.3", "trainer.micro_batch_size=128")
+SHARE_AUTO = (*PLANNED, "generation.vllm_gpu_memory_utilization=0.09", "trainer.micro_batch_size=256")
+OVERLAP_OFF = {"A2": SHARE_03, "C": SHARE_03, "D": SHARE_AUTO, "D2": SHARE_AUTO, "F": SHARE_AUTO}
 MACHINE_PATHS = ("model.name", "data.source")  # the run's local copies: the recipe's hub names instead
 
 
@@ -142,10 +152,13 @@ def load_rows() -> list[Row]:
     """The rows of the fit (see the module docstring), the LoRA timing row last."""
     rows = []
 
-    def add(source, key, recipe, sets, gpus, times, total, lora=False, mean_tokens=None):
+    def add(source, key, recipe, sets, gpus, times, total, lora=False, mean_tokens=None, old_forward=True):
         r = resolved_row(recipe, sets, gpus)
+        if r.sleep_choice is not None and r.sleep_choice.awake_micro_batch is not None:
+            raise SystemExit(f"{source} {key}: its plan would now be the forecast's choice; pin its sleep level")
         measured = phases(times, total, r.recipe.generation.sleep_level)
-        rows.append(Row(source, key, r, fc.shape_of(r), measured, lora, mean_tokens))
+        shape = replace(fc.shape_of(r), old_forward=old_forward)  # GRPO's, measured before e3de169 unless said
+        rows.append(Row(source, key, r, shape, measured, lora, mean_tokens))
 
     for x in _jsonl("engine-results.jsonl"):
         if "-trl-" not in x["row"]:
@@ -199,6 +212,19 @@ def load_rows() -> list[Row]:
             times,
             x["median_s_per_step_from_3"],
         )
+    for x in _jsonl("overlap-results.jsonl"):
+        if x.get("arm") == "off" and x["invocation"] in OVERLAP_OFF:
+            sets = [*OVERLAP_OFF[x["invocation"]], "eval.every_steps=null", "trainer.gradient_accumulation_steps=8"]
+            add(
+                "overlap-results",
+                f"off ({x['invocation']})",
+                "smollm2-135m-gsm8k",
+                sets,
+                1,
+                x["phases_s"],
+                x["s_per_step"],
+                old_forward=x["invocation"] != "F",  # F ran e3de169: GRPO's old log-probabilities from the loss
+            )
     lora_rows = []
     for x in _jsonl("real-model-results.jsonl"):
         if x["mode"] == "timing":
@@ -244,7 +270,7 @@ def fit_phase(phase: str, rows: list[Row]) -> dict[str, float]:
 
 
 def fit(rows: list[Row]) -> dict[str, float]:
-    fitted = {}
+    fitted: dict[str, float] = {}
     for phase in fc.PHASES:
         fitted.update(fit_phase(phase, [r for r in rows if not r.lora]))
     return fitted

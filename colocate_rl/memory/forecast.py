@@ -12,8 +12,11 @@ in billions (those a token goes through for a mixture of experts):
     training    = M · per micro-batch (by layout) + N · C · L · compute (× 4/3 with checkpointing) + optimizer step
     weight push = fixed + N · (per B params + woken weights when asleep + ZeRO-3 gathers)
     sleep/wake  = per step with vLLM asleep (levels 1 and 2)
-    rest        = fixed + C · per completion + M · per micro-batch (by layout): TRL's preparation of the batch (its
-                  logprob pass), the rewards and what no phase times (the step's time less the four phases above)
+    rest        = fixed + C · per completion + M · per micro-batch (by layout) + C · per completion of TRL's no-grad
+                  forward for the old log-probabilities where it runs one (RLOO; GRPO's are formed in the loss since
+                  colocate-rl e3de169: of the rows only overlap-results' F ran without it, so that row alone sets the
+                  constant): TRL's preparation of the batch, the rewards and what no phase times (the step's time
+                  less the four phases above)
 
 `FITTED` holds the constants least-squares fitted (relative error) by `benchmarks/fit_forecast.py` to the rows it
 lists (H200, vLLM 0.26, TRL 1.16; colocate-rl's engine alone on the GPU with CUDA graphs), `LEAVE_ONE_OUT` the
@@ -31,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from colocate_rl import algorithms
 from colocate_rl.errors import UserError
 from colocate_rl.memory.shapes import layout_for
 from colocate_rl.plan.deepspeed import ZeroLayout
@@ -65,6 +69,7 @@ class Shape:
     sleep_level: int
     checkpointing: bool
     gpus: int  # ranks per node
+    old_forward: bool = False  # TRL's own no-grad forward for the old log-probabilities (RLOO; see the docstring)
 
     @property
     def layout(self) -> str:
@@ -84,6 +89,7 @@ def shape_of(resolved: Resolved) -> Shape:
         sleep_level=int(resolved.recipe.generation.sleep_level),
         checkpointing=resolved.gradient_checkpointing,
         gpus=resolved.nproc_per_node,
+        old_forward=algorithms.get(resolved.recipe.algorithm).trainer == "rloo",
     )
 
 
@@ -120,37 +126,39 @@ TERMS: dict[str, tuple[tuple[str, Callable[[Shape], float]], ...]] = {
         ("rest, per completion", lambda s: s.completions),
         ("rest, per micro-batch with DeepSpeed", lambda s: s.micro_batches * (s.stage is not None)),
         ("rest, per micro-batch under ZeRO-3", _micro("zero3")),
+        ("rest, TRL's old-logprob forward per completion", lambda s: s.completions * s.old_forward),
     ),
 }
-# Fitted by benchmarks/fit_forecast.py (seconds; its docstring lists the rows: 26 of
-# docs/benchmarks/results/{engine,layouts,generation,seam-ab,real-model}-results.jsonl)
+# Fitted by benchmarks/fit_forecast.py (seconds; its docstring lists the rows: 31 of
+# docs/benchmarks/results/{engine,layouts,generation,seam-ab,real-model,overlap}-results.jsonl)
 FITTED = {
-    "decode step": 0.002417,
-    "decode step, per sequence": 1.444e-05,
-    "decode step, per sequence and B params": 2.86e-05,
-    "micro-batch, no DeepSpeed": 0.07474,
-    "micro-batch, ZeRO-0/1/2": 0.226,
-    "micro-batch, ZeRO-3": 0.7982,
-    "per B params and token trained": 1.737e-05,  # completion tokens; at 6 FLOPs per parameter: 345 TFLOP/s
-    "DeepSpeed optimizer step": 0.06963,
-    "push": 0.02361,
-    "push, per B params": 0.01941,
-    "push, per B params woken from sleep": 0.02159,
-    "push, per B params gathered (ZeRO-3)": 0.03171,
+    "decode step": 0.002418,
+    "decode step, per sequence": 1.331e-05,
+    "decode step, per sequence and B params": 2.959e-05,
+    "micro-batch, no DeepSpeed": 0.07024,
+    "micro-batch, ZeRO-0/1/2": 0.2118,
+    "micro-batch, ZeRO-3": 0.7528,
+    "per B params and token trained": 1.888e-05,  # completion tokens; at 6 FLOPs per parameter: 318 TFLOP/s
+    "DeepSpeed optimizer step": 0.1145,
+    "push": 0.01838,
+    "push, per B params": 0.0299,
+    "push, per B params woken from sleep": 0.01471,
+    "push, per B params gathered (ZeRO-3)": 0.03149,
     "wake and sleep": 0.1563,
-    "rest": 0.02811,
-    "rest, per completion": 0.001851,
-    "rest, per micro-batch with DeepSpeed": 0.06645,
-    "rest, per micro-batch under ZeRO-3": 0.3161,
+    "rest": 0.02948,
+    "rest, per completion": 0.0008634,
+    "rest, per micro-batch with DeepSpeed": 0.0671,
+    "rest, per micro-batch under ZeRO-3": 0.3155,
+    "rest, TRL's old-logprob forward per completion": 0.0009051,
 }
 # |forecast − measured| / measured in %, each row left out of the fit in turn: (median, largest, rows)
 LEAVE_ONE_OUT = {
-    "s/step": (7.5, 29.6, 25),
-    "generation": (13.7, 40.4, 25),
-    "training": (8.8, 30.5, 20),
-    "weight push": (10.8, 33.5, 25),
+    "s/step": (8.9, 33.4, 30),
+    "generation": (10.4, 40.7, 30),
+    "training": (9.9, 31.6, 25),
+    "weight push": (16.6, 38.8, 30),
     "sleep/wake": (9.1, 33.4, 12),
-    "rest": (24.0, 70.5, 20),
+    "rest": (19.4, 70.4, 25),
 }
 # Start-up: a run's time from `colocate-rl train` to its exit less steps × s/step (launch, vLLM start and CUDA graphs,
 # the first step's warm-up, the end): median, smallest, largest of the 12 rows that recorded their wall time
