@@ -48,11 +48,13 @@ SHAPE_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32
                   intermediate_size=8192)  # fmt: skip
 # TRL by hand: `trl` the best micro-batch that fits at the share 0.3 (stack facts); `trl-lean` the whole step in one
 # micro-batch at the share one batch needs (as colocate-rl's `auto` plans c256), in case that is faster for TRL too
+# (micro-batch, accumulation, share, gradient checkpointing): at d256 TRL's default checkpointing stays on (its
+# GRPOConfig's; 128 x 2 without it would need ~150 GiB of activations), as in the 10.21 s/step issue 28 quotes
 TRL_BY_HAND = {
-    ("trl", "c256"): (128, 2, 0.3),
-    ("trl", "d256"): (128, 2, 0.3),
-    ("trl-lean", "c256"): (256, 1, 0.1),
-    ("trl-lean", "d256"): (128, 2, 0.25),
+    ("trl", "c256"): (128, 2, 0.3, False),
+    ("trl", "d256"): (128, 2, 0.3, True),
+    ("trl-lean", "c256"): (256, 1, 0.1, False),
+    ("trl-lean", "d256"): (128, 2, 0.25, True),
 }
 CONCURRENT_KV = "2GiB"  # --concurrent: each run's KV cache (135M: ~90k tokens; a step needs 64 x <= 512)
 ARITH = [  # the learning workload: a task SmolLM2-135M learns (stack facts: held-out 0.115 -> 0.295 in 120 steps)
@@ -93,10 +95,10 @@ def command(
     arm: str, workload: str, model: Path, data: Path | None, run: Path, steps: int, sets: list[str], seed: int = 0
 ) -> list[str]:
     if arm.startswith("trl"):
-        mb, ga, share = TRL_BY_HAND[arm, workload]
+        mb, ga, share, checkpointing = TRL_BY_HAND[arm, workload]
         return [sys.executable, "benchmarks/trl_grpo.py", "--model", str(model), "--data", str(data), "--out",
                 str(run), "--steps", str(steps), "--micro-batch", str(mb), "--grad-accum", str(ga),
-                "--share", str(share)]  # fmt: skip
+                "--share", str(share)] + ["--gradient-checkpointing"] * checkpointing  # fmt: skip
     speed = [f"data.source={data}", "eval.every_steps=null", "trainer.gradient_accumulation_steps=8"]  # 32 x 8
     items = [
         f"model.name={model}",

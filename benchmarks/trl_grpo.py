@@ -5,6 +5,7 @@ question as the user turn, math_verify + 0.5 × hash_answer_format, 8 completion
 lr 1e-5, beta 0, bf16) with the micro-batch and accumulation set by hand (`--micro-batch`, `--grad-accum`).
 
     python benchmarks/trl_grpo.py --model DIR --data FILE.jsonl --out RUN --steps 12 --micro-batch 128 --grad-accum 2
+        [--gradient-checkpointing]
 
 Writes RUN/steps.jsonl: one line per optimizer step with its wall-clock time (`wall_s`, from the start of training),
 TRL's logged metrics and torch's peak allocated GiB so far. Exit code: the trainer's.
@@ -33,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=128, help="per_device_train_batch_size (completions)")
     p.add_argument("--grad-accum", type=int, default=2, help="gradient_accumulation_steps")
     p.add_argument("--share", type=float, default=0.3, help="vllm_gpu_memory_utilization")
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="TRL's default; off unless given: the 135M micro-batches fit without it, and it costs a forward",
+    )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         learning_rate=1e-5,
         beta=0.0,
         bf16=True,
-        gradient_checkpointing=False,  # set by hand: the micro-batch fits without it, and it costs a forward
+        gradient_checkpointing=a.gradient_checkpointing,  # set by hand (TRL's GRPOConfig defaults to True)
         use_vllm=True,
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=a.share,

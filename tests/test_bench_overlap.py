@@ -38,6 +38,16 @@ def test_trl_runs_its_own_script_with_the_micro_batch_set_by_hand(tmp_path):
     assert argv[argv.index("--micro-batch") + 1 :] == ["128", "--grad-accum", "2", "--share", "0.3"]
     lean = B.command("trl-lean", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, [])
     assert lean[lean.index("--micro-batch") + 1 :] == ["256", "--grad-accum", "1", "--share", "0.1"]
+    # the 1.7B shape: TRL's default gradient checkpointing on (128 x 2 does not fit without it)
+    big = B.command("trl", "d256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, [])
+    assert big[big.index("--micro-batch") + 1 :] == [
+        "128",
+        "--grad-accum",
+        "2",
+        "--share",
+        "0.3",
+        "--gradient-checkpointing",
+    ]
 
 
 def test_a_bad_order_is_refused(capsys, tmp_path):
