@@ -241,7 +241,7 @@ def _trainer_terms(s: _TrainerState, stage: int | None, off_gen: bool) -> Terms:
 
 
 def _activations(resolved: Resolved, lay: Layout, kv: dict[str, Any]) -> Terms:
-    """Training's activations and backward transients of one micro-batch."""
+    """Training's activations of one micro-batch and the allowance beside them."""
     t, h = resolved.recipe.trainer, lay.hidden
     comp = kv["completion_tokens"]
     seq = kv["prompt_tokens"] + comp
@@ -251,13 +251,13 @@ def _activations(resolved: Resolved, lay: Layout, kv: dict[str, Any]) -> Terms:
     layer = lay.saved_per_token_layer(a)
     tokens = t.per_device_train_batch_size * seq
     act = tokens * (lay.layers * a * h + layer if resolved.gradient_checkpointing else lay.layers * layer)
-    # 4 B per completion token and vocabulary entry, first taken for logits, which TRL 1.16's fused LM head never
-    # materializes (autograd keeps 5-30 KB a token outside the layers, on CPU): what GPU training peaks held beyond the
-    # saved activations (backward's transients, the allocator); totals within ±10 % with it (135M c256: 91.49/91.30).
-    transients = t.per_device_train_batch_size * (comp + 1) * lay.vocab * 4
+    # 4 B per completion token and vocabulary entry, once taken for logits, which TRL 1.16's fused LM head never holds
+    # (tiles of 4,096 tokens; autograd keeps 5-30 KB a token outside the layers, on CPU): an allowance with which the
+    # totals matched GPU training peaks (135M c256: 91.49 against 91.30 GiB); what it stands for is not measured.
+    allowance = t.per_device_train_batch_size * (comp + 1) * lay.vocab * 4
     return _terms(
         ("activations" + (" (checkpointed)" if resolved.gradient_checkpointing else ""), act, ["training"]),
-        ("backward transients", transients, ["training"]),
+        ("training allowance", allowance, ["training"]),
     )
 
 
