@@ -198,11 +198,7 @@ class ProbePlan:
         total = recipe.trainer.step_completions
         awake = sleep.awake_micro_batch if sleep is not None and sleep.awake_micro_batch else micro.size
         divisors = [m for m in range(1, total + 1) if total % m == 0]
-        return [
-            c
-            for level in levels
-            for c in configs((level,), tuple(m for m in divisors if m >= (awake if level == 0 else micro.size)))
-        ]
+        return [Config(level, m) for level in levels for m in divisors if m >= (awake if level == 0 else micro.size)]
 
 
 def plan_probe(

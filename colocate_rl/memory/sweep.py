@@ -53,8 +53,10 @@ class Entry:
         """The configuration's step-time forecast and how far it is off the measured s/step: `3.16 (+9 %)`; `none`
         where the forecast does not cover it; "" when not tried."""
         t = self.trial
-        if t is None or t.forecast_s is None:
-            return "" if t is None else "none"
+        if t is None:
+            return ""
+        if t.forecast_s is None:
+            return "none"
         off = f" ({100 * (t.forecast_s - t.s_per_step) / t.s_per_step:+.0f} %)" if t.s_per_step else ""
         return f"{t.forecast_s:.2f}{off}"
 
