@@ -19,12 +19,15 @@ The rows (colocate-rl's engine, alone on one H200 or two, CUDA graphs), by file:
 - real-model-results: `mode: timing`, full fine-tuning (s/step and weight push only).
 - overlap-results: the `off` runs (colocate-rl without overlap, alone on one H200, SmolLM2-135M at 256 completions;
   not B-mps, which ran under MPS); F ran after e3de169 (GRPO without TRL's old-logprob forward), the others before.
-Every row but F ran TRL's old-logprob forward (`Shape.old_forward`). A row whose plan `auto` would now settle by the
+- mem-probe (raw-*/mp17-probe.json, raw-*/mp05-probe.json): the timed trials of the measuring probe that completed
+  (the 1.7B shape and the 0.5B layout at 256 completions; sleep level × micro-batch, CUDA graphs).
+- train runs (raw-2026-12-04b/ab17-*): the 1.7B shape's A-B-A-B, sleep 0 × 32 against sleep 2 × 64.
+Every row before e3de169 ran TRL's old-logprob forward (`Shape.old_forward`); F, the probe's and the train runs not. A row whose plan `auto` would now settle by the
 forecast itself (sleep level 2 for a larger micro-batch) is refused: the fit must not move the rows it fits.
 Left out, and why: TRL's engine (engine `*-trl-*`, generation `+trl` and `trl_engine`, same-learning `engine: trl`)
 and TRL's server mode (layouts `server*`): another engine, which gets no forecast; the profiled invocations
 (generation `profiled`: the torch profiler ran, and the machine drifted, README "Speed"); runs sharing a GPU
-(real-model `matrix`, same-learning, tools) and eager vLLM (tools, mem-probe: no step times either); the LoRA
+(real-model `matrix`, same-learning, tools) and eager vLLM (tools, mem-probe-results: no step times either); the LoRA
 timing row (LoRA is not modelled; its error is printed apart); overlapped runs (overlap is not modelled).
 """
 
@@ -43,9 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from colocate_rl.memory import forecast as fc  # noqa: E402
+from colocate_rl.memory.probe import trial_timing  # noqa: E402
 from colocate_rl.pipeline import resolve  # noqa: E402
 from colocate_rl.plan.host import Gpu, Host  # noqa: E402
 from colocate_rl.recipe.load import apply_overrides, parse_recipe, parse_sets  # noqa: E402
+from colocate_rl.rundir import read_metrics  # noqa: E402
 
 RESULTS = ROOT / "docs" / "benchmarks" / "results"
 H200_GIB = 143_771 / 1024
@@ -98,7 +103,29 @@ PLANNED = ("generation.sleep_level=0", "distributed.deepspeed=zero3", "distribut
 SHARE_03 = (*PLANNED, "generation.vllm_gpu_memory_utilization=0.3", "trainer.micro_batch_size=128")
 SHARE_AUTO = (*PLANNED, "generation.vllm_gpu_memory_utilization=0.09", "trainer.micro_batch_size=256")
 OVERLAP_OFF = {"A2": SHARE_03, "C": SHARE_03, "D": SHARE_AUTO, "D2": SHARE_AUTO, "F": SHARE_AUTO}
+# generation-results' rows with micro_batch_size auto: the micro-batch auto chose then (the benchmarks README), pinned
+# because the memory estimate has changed since
+MB_AUTO_RAN = {"c256+mbauto": 128, "a128+mbauto": 64}
 MACHINE_PATHS = ("model.name", "data.source")  # the run's local copies: the recipe's hub names instead
+# Raw `mem-probe --json` output (docs/benchmarks/results/raw-*/): its timed trials that completed, each a row. The
+# probe ran the recipe with these `--set` options (the model a random-init copy of the hub model's shape, built by
+# bench_overlap.py; the data the local GSM8K-style file), then its own pinned sets, the trial's share and config.
+SMOL17 = ("HuggingFaceTB/SmolLM2-1.7B-Instruct", ["eval.every_steps=null", "trainer.gradient_accumulation_steps=8"])
+PROBES = {
+    "raw-2026-12-04/mp17-probe.json": ("smollm2-135m-gsm8k", *SMOL17),
+    "raw-2026-12-04b/mp05-probe.json": ("gpu-0.5b-layout", None, ["trainer.gradient_accumulation_steps=16"]),
+}
+# Run directories of `colocate-rl train` (raw-*/: metrics.jsonl, forecast.json), timed as the probe times a trial
+# (medians over the steps after the first): the 1.7B shape's A-B-A-B at share 0.24, ZeRO-2
+AB17 = ["generation.vllm_gpu_memory_utilization=0.24", "distributed.deepspeed=zero3", "distributed.zero_stage=2"]
+RUNS = {
+    f"raw-2026-12-04b/ab17-{arm}{k}": ("smollm2-135m-gsm8k", SMOL17[0], [*SMOL17[1], *AB17, *sets])
+    for k in (1, 2)
+    for arm, sets in (
+        ("a", ["generation.sleep_level=0", "trainer.micro_batch_size=32"]),
+        ("b", ["generation.sleep_level=2", "trainer.micro_batch_size=64"]),
+    )
+}
 
 
 @dataclass
@@ -116,8 +143,10 @@ def h200(gpus: int) -> Host:
     return Host(gpus=(Gpu("NVIDIA H200", H200_GIB),) * gpus, has_vllm=True, cpu_count=16 * gpus)
 
 
-def resolved_row(recipe: str, sets: list[str], gpus: int):
+def resolved_row(recipe: str, sets: list[str], gpus: int, model: str | None = None):
+    """The row's plan on `gpus` H200s; `model`: the hub model whose shape the run's local model had."""
     sets = [s for s in sets if s.split("=")[0] not in MACHINE_PATHS] + [f"distributed.nproc_per_node={gpus}"]
+    sets += [f"model.name={model}"] * (model is not None)
     return resolve(parse_recipe(apply_overrides(RECIPES[recipe], parse_sets(sets))), h200(gpus))
 
 
@@ -148,12 +177,47 @@ def _jsonl(name: str) -> list[dict]:
     return [json.loads(line) for line in (RESULTS / name).read_text().splitlines() if line.strip()]
 
 
+def probe_trials(probe: dict) -> list[tuple[str, list[str], dict[str, float], float]]:
+    """(key, --set options, phase → s, s/step) of each trial of a `mem-probe --json` output that completed its steps
+    with a timing: the bisection's trials with the pinned sets, the sweep's with its configuration instead."""
+    pinned = probe["pinned_sets"]
+    swept = ("generation.sleep_level", "trainer.micro_batch_size")
+    out = [
+        (
+            f"share {t['util']:g}",
+            [*pinned, f"generation.vllm_gpu_memory_utilization={t['util']}"],
+            t["phase_s"],
+            t["s_per_step"],
+        )
+        for t in probe["trials"]
+        if t["outcome"] == "ok" and t.get("s_per_step")
+    ]
+    sweep = probe.get("sweep") or {"configs": []}
+    for c in sweep["configs"]:
+        if c["outcome"] == "ok" and c["s_per_step"]:
+            sets = [s for s in pinned if s.split("=")[0] not in swept]
+            sets += [
+                f"generation.vllm_gpu_memory_utilization={sweep['share']}",
+                f"generation.sleep_level={c['sleep_level']}",
+                f"trainer.micro_batch_size={c['micro_batch']}",
+            ]
+            out.append(
+                (
+                    f"share {sweep['share']:g} sleep {c['sleep_level']} x {c['micro_batch']}",
+                    sets,
+                    c["phase_s"],
+                    c["s_per_step"],
+                )
+            )
+    return out
+
+
 def load_rows() -> list[Row]:
     """The rows of the fit (see the module docstring), the LoRA timing row last."""
     rows = []
 
-    def add(source, key, recipe, sets, gpus, times, total, lora=False, mean_tokens=None, old_forward=True):
-        r = resolved_row(recipe, sets, gpus)
+    def add(source, key, recipe, sets, gpus, times, total, lora=False, mean_tokens=None, old_forward=True, model=None):
+        r = resolved_row(recipe, sets, gpus, model)
         if r.sleep_choice is not None and r.sleep_choice.awake_micro_batch is not None:
             raise SystemExit(f"{source} {key}: its plan would now be the forecast's choice; pin its sleep level")
         measured = phases(times, total, r.recipe.generation.sleep_level)
@@ -189,6 +253,8 @@ def load_rows() -> list[Row]:
             }
             key = f"{x['workload']} ({x.get('session', '2026-12-02')})"
             sets += [AS_WRITTEN] * first_session
+            if x["workload"] in MB_AUTO_RAN:
+                sets += [f"trainer.micro_batch_size={MB_AUTO_RAN[x['workload']]}"]
             add(
                 "generation-results",
                 key,
@@ -225,6 +291,14 @@ def load_rows() -> list[Row]:
                 x["s_per_step"],
                 old_forward=x["invocation"] != "F",  # F ran e3de169: GRPO's old log-probabilities from the loss
             )
+    for path, (recipe, model, base) in PROBES.items():
+        for key, sets, times, total in probe_trials(json.loads((RESULTS / path).read_text())):
+            name = f"{Path(path).parent.name} {key}"
+            add("mem-probe", name, recipe, base + sets, 1, times, total, old_forward=False, model=model)
+    for path, (recipe, model, sets) in RUNS.items():
+        records = [r for r in read_metrics(RESULTS / path) if isinstance(r.get("step"), int) and "loss" in r]
+        total, times, _ = trial_timing(RESULTS / path, records)
+        add("train runs", path.split("/")[-1], recipe, sets, 1, times, total, old_forward=False, model=model)
     lora_rows = []
     for x in _jsonl("real-model-results.jsonl"):
         if x["mode"] == "timing":
@@ -259,13 +333,34 @@ def startup() -> tuple[float, float, float, int]:
 
 
 def fit_phase(phase: str, rows: list[Row]) -> dict[str, float]:
-    """Least squares of the relative error over the rows that measured `phase` (and have a term for it)."""
+    """Least squares of the relative error over the rows that measured `phase` (and have a term for it). Training's
+    micro-batches take the longer of floor and compute (`forecast.FLOOR`, `forecast.COMPUTE`): each row is fitted
+    by the part that is longer for it, from the additive fit on, until no row changes sides."""
     terms = fc.TERMS[phase]
     data = [(r, [float(x(r.shape)) for _, x in terms]) for r in rows if phase in r.measured]
     data = [(r, xs) for r, xs in data if any(xs)]
     X = np.array([xs for _, xs in data])
     y = np.array([r.measured[phase] for r, _ in data])
-    coef, *_ = np.linalg.lstsq(X / y[:, None], np.ones(len(y)), rcond=None)
+
+    def solve(design: np.ndarray) -> np.ndarray:
+        return np.linalg.lstsq(design / y[:, None], np.ones(len(y)), rcond=None)[0]
+
+    coef = solve(X)
+    if phase == "training":
+        names = [name for name, _ in terms]
+        floor, compute = (np.isin(names, group) for group in (fc.FLOOR, fc.COMPUTE))
+        sides = None
+        for _ in range(50):
+            floor_bound = (X[:, floor] @ coef[floor]) >= (X[:, compute] @ coef[compute])
+            if sides is not None and (floor_bound == sides).all():
+                break
+            sides = floor_bound
+            design = X.copy()
+            design[np.ix_(~sides, floor)] = 0
+            design[np.ix_(sides, compute)] = 0
+            coef = solve(design)
+        else:
+            raise SystemExit("training: the rows keep changing sides between floor and compute")
     return {name: float(c) for (name, _), c in zip(terms, coef)}
 
 

@@ -6,12 +6,10 @@ hard-codes. That matters: for a `model_type: qwen2` directory, `AutoTokenizer` (
 `Qwen2Tokenizer`, ignoring `tokenizer_class`, and rebuilds the pipeline from vocab/merges; with the same pipeline
 that rebuild is a no-op, so `AutoTokenizer` and `PreTrainedTokenizerFast` give identical ids.
 
-`tiny-calc` is not random-init: `tiny`'s shape with a 768-token tokenizer of its own (trained with `<tool_call>`,
-`</tool_call>`, `<tool_response>`, `</tool_response>` as added, non-special tokens, on the corpus below plus calculator
-transcripts) carrying TRL's Qwen2.5 chat template, read from the installed trl, so that TRL renders the tools and
-parses the model's `<tool_call>` JSON; then a short supervised warm start (`colocate_rl.warm_start`, table
-`WARM_STARTS`) teaches it the call format and to copy numbers, and leaves when to call the calculator to RL.
-"""
+`tiny-calc` is not random-init: `tiny`'s shape with a 768-token tokenizer of its own (the tool-call tags added,
+non-special, trained on the corpus below plus calculator transcripts) carrying TRL's Qwen2.5 chat template (read from
+the installed trl: TRL renders the tools and parses the model's `<tool_call>` JSON); a short supervised warm start
+(`colocate_rl.warm_start`) teaches it the call format and to copy numbers, and leaves when to call the tool to RL."""
 
 from __future__ import annotations
 
@@ -235,9 +233,22 @@ def _train_tokenizer(out_dir: Path, model_max_length: int, layout: str = "tiny")
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+_TOKENIZERS: dict[str, tempfile.TemporaryDirectory] = {}  # layout → its tokenizer, trained once per process
+
+
+def tokenizer_dir(layout: str) -> Path:
+    """A directory holding `layout`'s tokenizer, the one a build writes (trained once per process, ~2 s; removed at
+    exit): what the pre-flight measures prompts with before the model is built. UserError for an unknown layout."""
+    if layout not in _TOKENIZERS:
+        positions = _layout(layout)["max_position_embeddings"]
+        tmp = tempfile.TemporaryDirectory(prefix=f"colocate-rl-tokenizer-{layout}-")
+        _train_tokenizer(Path(tmp.name), positions, layout)
+        _TOKENIZERS[layout] = tmp
+    return Path(_TOKENIZERS[layout].name)
+
+
 def _write(out_dir: Path, layout: str, seed: int, dtype: str) -> int:
-    """Write tokenizer, config, generation config and safetensors weights into out_dir; returns the parameter
-    count."""
+    """Write tokenizer, config, generation config and safetensors weights into out_dir; return the parameters."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
@@ -344,9 +355,7 @@ def build_model_in_subprocess(
     if done.returncode == 2 and errors:
         raise UserError(*errors)
     if done.returncode != 0:
-        raise RuntimeError(
-            f"building the built-in model {layout} failed (exit {done.returncode}):\n" + done.stderr[-3000:]
-        )
+        raise RuntimeError(f"building the built-in model {layout} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return Path(done.stdout.strip().splitlines()[-1])
 
 
@@ -367,10 +376,7 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    if tok.pad_token is None:
-        tok.pad_token = PAD
-    if tok.eos_token is None:
-        tok.eos_token = EOS
+    tok.pad_token, tok.eos_token = tok.pad_token or PAD, tok.eos_token or EOS
     return tok
 
 

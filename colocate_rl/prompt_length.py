@@ -5,9 +5,9 @@ prompts with SmolLM2's template: at most 181 tokens where 512 were assumed, and 
 fell from 123.4 to 91.5 GiB against 91.3 measured).
 
 Measured only where it can be here, before launch, without downloading: a local model directory (its tokenizer
-files) with a built-in task or a local data file. A hub model or dataset, a built-in model (its tokenizer is built
-at launch), `model.chat_template` or tools (they change the rendered prompt) give None: the estimate keeps its
-assumption. Files are read whole up to MAX_ROWS rows; of more rows than TOKENIZED, the longest by characters are
+files) or a built-in model (its tokenizer trained here as its build trains it, `builtin_model.tokenizer_dir`) with a
+built-in task or a local data file. A hub model or dataset, `model.chat_template` or tools (they change the rendered
+prompt) give None: the estimate keeps its assumption. Files are read whole up to MAX_ROWS rows; of more rows than TOKENIZED, the longest by characters are
 tokenized. Never raises: a file or tokenizer that cannot be read gives None (validation reports the file itself).
 """
 
@@ -65,14 +65,19 @@ def _prompt_values(source: str, field: str, num_samples: int | None, seed: int) 
         return values, True
 
 
-def longest_prompt(recipe, model_dir: str) -> LongestPrompt | None:
-    """The longest prompt of `recipe`'s training data with the tokenizer in `model_dir` (see the module docstring)."""
+def longest_prompt(recipe, model_dir: str | None = None, builtin_layout: str | None = None) -> LongestPrompt | None:
+    """The longest prompt of `recipe`'s training data with the tokenizer in `model_dir`, or the built-in layout's
+    (see the module docstring)."""
     from colocate_rl.prompts import to_prompt
 
     d = recipe.data
     if recipe.model.chat_template is not None or recipe.tools.active:
         return None
     try:
+        if builtin_layout is not None:
+            from colocate_rl.builtin_model import tokenizer_dir
+
+            model_dir = str(tokenizer_dir(builtin_layout))
         found = _prompt_values(d.source, d.prompt_field, d.num_samples, recipe.trainer.seed)
         if not found or not found[0]:
             return None

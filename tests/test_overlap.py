@@ -75,7 +75,7 @@ def test_ranks_beside_an_awake_engine_process_run_torchs_allocator_on_expandable
 
 
 def test_auto_does_not_overlap_where_vllm_must_sleep_or_something_rules_it_out(tmp_path):
-    big = on_h200(QWEN7_1GPU, "generation.overlap=auto", "generation.sleep_level=auto")
+    big = resolved_for(QWEN7_1GPU, assumed_host(1, 120.0), "generation.overlap=auto", "generation.sleep_level=auto")
     assert big.recipe.generation.sleep_level == 2 and big.recipe.generation.overlap == "off"
     assert "(sleep level 2: trainer and vLLM do not fit awake together)" in big.overlap_choice.reason
     fixed = on_h200(QWEN05, "generation.overlap=auto", "generation.sleep_level=2")

@@ -69,7 +69,6 @@ def test_of_many_rows_the_longest_by_characters_are_tokenized(model_dir, tmp_pat
 @pytest.mark.parametrize(
     ("sets", "why"),
     [
-        (("model.name=builtin:tiny",), "a built-in model's tokenizer is built at launch"),
         (("model.chat_template=tpl.jinja",), "another template renders the prompts"),
         (("data.source=org/some-dataset",), "a hub dataset is not opened before launch"),
     ],
@@ -81,6 +80,13 @@ def test_where_it_cannot_be_measured_here_the_estimate_keeps_its_assumption(mode
     r = recipe(model_dir, data, *(s.replace("tpl.jinja", str(tmp_path / "tpl.jinja")) for s in sets))
     assert r.preflight.longest_prompt is None, why
     assert estimate(r, 140.0).kv["prompt_tokens"] == 1024 - 64
+
+
+def test_a_builtin_models_prompts_are_measured_with_the_tokenizer_its_build_trains(model_dir, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"question": q}) for q in QUESTIONS))
+    r = recipe(model_dir, data, "model.name=builtin:tiny")  # nothing built: the pre-flight trains the tokenizer
+    assert r.preflight.longest_prompt == P.LongestPrompt(rendered_tokens(model_dir, QUESTIONS[1]), 5, True)
 
 
 def test_a_builtin_task_and_a_parquet_file_are_measured_too(model_dir, tmp_path):

@@ -67,7 +67,7 @@ def test_auto_is_0_when_trainer_and_vllm_fit_together():
     "recipe, gpus, gib",
     [
         (QWEN05, 1, 20.0),  # the 0.5B layout fits a 20 GiB GPU only with vLLM asleep in training
-        (QWEN7_1GPU, 1, H200_GIB),  # 7B layout on one GPU: even the offload layout auto picks needs sleep
+        (QWEN7_1GPU, 1, 120.0),  # 7B layout on one 120 GiB GPU: even the offload layout auto picks needs sleep
     ],
 )
 def test_auto_is_2_when_sleep_0_would_not_fit(recipe, gpus, gib):
@@ -135,7 +135,7 @@ def test_no_estimate_means_2(tmp_path):
     assert "no estimate (generation.tensor_parallel_size: 4 does not divide" in r.sleep_choice.reason
 
 
-@pytest.mark.parametrize("recipe, gib, level", [(QWEN05, H200_GIB, 0), (QWEN7_1GPU, H200_GIB, 2)])
+@pytest.mark.parametrize("recipe, gib, level", [(QWEN05, H200_GIB, 0), (QWEN7_1GPU, 120.0, 2)])
 def test_engine_trl_gets_0_or_2(recipe, gib, level, tmp_path):
     r = resolved(recipe, 1, gib, AUTO, "generation.engine=trl")
     assert r.recipe.generation.sleep_level == level

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from colocate_rl.errors import UserError
+from colocate_rl.memory.allowance import training_allowance
 from colocate_rl.memory.reward_models import reward_model_bytes, reward_model_notes
 from colocate_rl.memory.shapes import Layout, layout_for, lora_params
 from colocate_rl.plan.deepspeed import ZeroLayout
@@ -33,12 +34,13 @@ SHARE_MARGIN = 0.05  # of the GPU, kept free on each side of the chosen vLLM sha
 ASSUMED_PROMPT_TOKENS = 512  # prompt length when generation.max_model_length does not bound it (--prompt-tokens)
 KV_BLOCK = 16  # vLLM's KV block size in tokens: a sequence takes whole blocks
 MEMORY_PHASES = ("generation", "weight sync", "training", "optimizer step")
+# vLLM's share while it is awake
 SHARE_TERMS = (
     "vLLM weights",
     "vLLM KV cache (1 generation batch)",
     "vLLM graphs + workspace",
     "vLLM rest of its share",
-)  # vLLM's share while it is awake
+)
 
 Terms = dict[str, dict[str, float]]  # term → phase → GiB
 
@@ -240,21 +242,18 @@ def _trainer_terms(s: _TrainerState, stage: int | None, off_gen: bool) -> Terms:
     )
 
 
-def _activations(resolved: Resolved, lay: Layout, kv: dict[str, Any]) -> Terms:
-    """Training's activations of one micro-batch and the allowance beside them."""
+def _activations(resolved: Resolved, lay: Layout, kv: dict[str, Any], grads: float) -> Terms:
+    """Training's activations of one micro-batch and the allowance beside them (`grads`: the trainer gradients'
+    bytes on this GPU)."""
     t, h = resolved.recipe.trainer, lay.hidden
-    comp = kv["completion_tokens"]
-    seq = kv["prompt_tokens"] + comp
+    seq = kv["prompt_tokens"] + kv["completion_tokens"]
     # Activations of one micro-batch (`Layout.saved_per_token_layer`). Gradient checkpointing keeps layer inputs and
     # recomputes one layer at a time.
     a = 2 if resolved.precision in ("bf16", "fp16") else 4
     layer = lay.saved_per_token_layer(a)
     tokens = t.per_device_train_batch_size * seq
     act = tokens * (lay.layers * a * h + layer if resolved.gradient_checkpointing else lay.layers * layer)
-    # 4 B per completion token and vocabulary entry, once taken for logits, which TRL 1.16's fused LM head never holds
-    # (tiles of 4,096 tokens; autograd keeps 5-30 KB a token outside the layers, on CPU): an allowance with which the
-    # totals matched GPU training peaks (135M c256: 91.49 against 91.30 GiB); what it stands for is not measured.
-    allowance = t.per_device_train_batch_size * (comp + 1) * lay.vocab * 4
+    allowance = training_allowance(act, grads, lay.vocab, ZeroLayout.of(resolved.deepspeed).stage is not None)
     return _terms(
         ("activations" + (" (checkpointed)" if resolved.gradient_checkpointing else ""), act, ["training"]),
         ("training allowance", allowance, ["training"]),
@@ -385,7 +384,7 @@ def estimate(resolved: Resolved, gpu_gib: float, prompt_tokens: int | None = Non
     terms = {
         **_process_overheads(resolved.world_size),
         **_trainer_terms(state, zero.stage, off_gen),
-        **_activations(resolved, lay, kv),
+        **_activations(resolved, lay, kv, state.grads),
         **_zero3_gathers(resolved, lay, zero),
         **_terms(("reward models", reward_model_bytes(resolved, state.param, zero), MEMORY_PHASES)),
         **_engine_process(resolved, 2 * n / g.tensor_parallel_size),

@@ -1,26 +1,28 @@
 """The step-time forecast: seconds per step by phase, and the run's total, of a GPU run with colocate-rl's vLLM
-engine on H200s, from a small linear model fitted to the measured rows of docs/benchmarks/results/.
+engine on H200s, from a small model fitted to the measured rows of docs/benchmarks/results/.
 
 A pure function of the resolved recipe and its host (like `colocate_rl.memory.estimate.estimate`). Per rank, with
 L = trainer.max_completion_length (every row: 256; the random-init layouts generate all of it, SmolLM2's completions
-averaged 216; with that mean as L the fit is no better, 6.9 against 7.5 % median error left one row out, 11.5 against
-10.2 % left one file out, and it is not known before the run: a batch decodes until its longest completion ends and
+averaged 216; with that mean as L the fit is no better, 8.2 against 7.7 % median error left one row out, 9.8 against
+8.9 % left one file out, and it is not known before the run: a batch decodes until its longest completion ends and
 training pads each micro-batch to its longest), C = completions per step, M = micro-batches per step, N = parameters
-in billions (those a token goes through for a mixture of experts):
+in billions (those a token goes through for a mixture of experts), V = the vocabulary:
 
-    generation  = L · (decode step + C · per sequence + C · N · per sequence and B params)
-    training    = M · per micro-batch (by layout) + N · C · L · compute (× 4/3 with checkpointing) + optimizer step
-    weight push = fixed + N · (per B params + woken weights when asleep + ZeRO-3 gathers)
+    generation  = L · (decode step + C · (per sequence + N · per B params + V · per 100k vocabulary))
+    training    = max(M · floor per micro-batch (by layout), C · L · (N · per B params + per token) (× 4/3 with
+                  checkpointing)) + optimizer step: a micro-batch takes the longer of its floor (launches, DeepSpeed's
+                  per-pass work) and its compute
+    weight push = fixed + N · (woken weights when asleep + ZeRO-3 gathers)
     sleep/wake  = per step with vLLM asleep (levels 1 and 2)
     rest        = fixed + C · per completion + M · per micro-batch (by layout) + C · per completion of TRL's no-grad
                   forward for the old log-probabilities where it runs one (RLOO; GRPO's are formed in the loss since
-                  colocate-rl e3de169: of the rows only overlap-results' F ran without it, so that row alone sets the
-                  constant): TRL's preparation of the batch, the rewards and what no phase times (the step's time
-                  less the four phases above)
+                  colocate-rl e3de169: overlap-results' F, the mem-probe rows and the train runs ran without it):
+                  TRL's preparation of the batch, the rewards and what no phase times (the step's time less the four
+                  phases above)
 
-`FITTED` holds the constants least-squares fitted (relative error) by `benchmarks/fit_forecast.py` to the rows it
-lists (H200, vLLM 0.26, TRL 1.16; colocate-rl's engine alone on the GPU with CUDA graphs), `LEAVE_ONE_OUT` the
-errors of that fit with each row left out in turn; `tests/test_forecast.py` checks that both are what the script
+`FITTED` holds the constants least-squares fitted (relative error; training's by the side of the max each row is
+on) by `benchmarks/fit_forecast.py` to the rows it lists (H200, vLLM 0.26, TRL 1.16; colocate-rl's engine alone on
+the GPU with CUDA graphs), `LEAVE_ONE_OUT` the errors of that fit with each row left out in turn; `tests/test_forecast.py` checks that both are what the script
 computes. A recipe the rows say nothing about where a step spends its time differently (another GPU or the CPU,
 TRL's engine, eager vLLM, offload, tools, several nodes, tensor parallelism, overlap, the engine process) gets no
 forecast and the reason; what is beyond the rows' range but modelled (size, length, batch, GPUs, checkpointing) is
@@ -69,6 +71,7 @@ class Shape:
     sleep_level: int
     checkpointing: bool
     gpus: int  # ranks per node
+    vocab: int = 0  # the model's vocabulary (vLLM's sampler works over all of it for every sequence and token)
     old_forward: bool = False  # TRL's own no-grad forward for the old log-probabilities (RLOO; see the docstring)
 
     @property
@@ -89,6 +92,7 @@ def shape_of(resolved: Resolved) -> Shape:
         sleep_level=int(resolved.recipe.generation.sleep_level),
         checkpointing=resolved.gradient_checkpointing,
         gpus=resolved.nproc_per_node,
+        vocab=lay.vocab,
         old_forward=algorithms.get(resolved.recipe.algorithm).trainer == "rloo",
     )
 
@@ -97,26 +101,28 @@ def _micro(layout: str) -> Callable[[Shape], float]:
     return lambda s: s.micro_batches * (s.layout == layout)
 
 
+def _trained_tokens(s: Shape) -> float:
+    return s.completions * s.tokens * (CHECKPOINTING if s.checkpointing else 1)
+
+
 # phase → (constant, what it multiplies); FITTED holds the constants
 TERMS: dict[str, tuple[tuple[str, Callable[[Shape], float]], ...]] = {
     "generation": (
         ("decode step", lambda s: s.tokens),
         ("decode step, per sequence", lambda s: s.tokens * s.completions),
         ("decode step, per sequence and B params", lambda s: s.tokens * s.completions * s.params_b),
+        ("decode step, per sequence and 100k vocabulary", lambda s: s.tokens * s.completions * s.vocab / 1e5),
     ),
     "training": (
         ("micro-batch, no DeepSpeed", _micro("plain")),
         ("micro-batch, ZeRO-0/1/2", _micro("zero")),
         ("micro-batch, ZeRO-3", _micro("zero3")),
-        (
-            "per B params and token trained",
-            lambda s: s.params_b * s.completions * s.tokens * (CHECKPOINTING if s.checkpointing else 1),
-        ),
+        ("per B params and token trained", lambda s: s.params_b * _trained_tokens(s)),
+        ("per token trained", _trained_tokens),
         ("DeepSpeed optimizer step", lambda s: s.stage is not None),
     ),
     "weight push": (
         ("push", lambda s: 1),
-        ("push, per B params", lambda s: s.params_b),
         ("push, per B params woken from sleep", lambda s: s.params_b * (s.sleep_level > 0)),
         ("push, per B params gathered (ZeRO-3)", lambda s: s.params_b * (s.stage == 3)),
     ),
@@ -129,43 +135,48 @@ TERMS: dict[str, tuple[tuple[str, Callable[[Shape], float]], ...]] = {
         ("rest, TRL's old-logprob forward per completion", lambda s: s.completions * s.old_forward),
     ),
 }
-# Fitted by benchmarks/fit_forecast.py (seconds; its docstring lists the rows: 31 of
-# docs/benchmarks/results/{engine,layouts,generation,seam-ab,real-model,overlap}-results.jsonl)
+# Training is not a sum: a micro-batch takes the longer of its floor (the CPU's launches and DeepSpeed's per-pass
+# work, which the GPU's compute hides once a micro-batch is large) and its compute; the optimizer step adds.
+FLOOR = ("micro-batch, no DeepSpeed", "micro-batch, ZeRO-0/1/2", "micro-batch, ZeRO-3")
+COMPUTE = ("per B params and token trained", "per token trained")
+# Fitted by benchmarks/fit_forecast.py (seconds; its docstring lists the rows: 34 of docs/benchmarks/results/
+# {engine,layouts,generation,seam-ab,real-model,overlap}-results.jsonl and the mem-probe output of raw-*/)
 FITTED = {
-    "decode step": 0.002418,
-    "decode step, per sequence": 1.331e-05,
-    "decode step, per sequence and B params": 2.959e-05,
-    "micro-batch, no DeepSpeed": 0.07024,
-    "micro-batch, ZeRO-0/1/2": 0.2118,
-    "micro-batch, ZeRO-3": 0.7528,
-    "per B params and token trained": 1.888e-05,  # completion tokens; at 6 FLOPs per parameter: 318 TFLOP/s
-    "DeepSpeed optimizer step": 0.1145,
-    "push": 0.01838,
-    "push, per B params": 0.0299,
-    "push, per B params woken from sleep": 0.01471,
-    "push, per B params gathered (ZeRO-3)": 0.03149,
-    "wake and sleep": 0.1563,
-    "rest": 0.02948,
-    "rest, per completion": 0.0008634,
-    "rest, per micro-batch with DeepSpeed": 0.0671,
-    "rest, per micro-batch under ZeRO-3": 0.3155,
-    "rest, TRL's old-logprob forward per completion": 0.0009051,
+    "decode step": 0.002595,
+    "decode step, per sequence": 9.374e-06,
+    "decode step, per sequence and B params": 9.576e-06,
+    "decode step, per sequence and 100k vocabulary": 1.117e-05,
+    "micro-batch, no DeepSpeed": 0.109,
+    "micro-batch, ZeRO-0/1/2": 0.2821,
+    "micro-batch, ZeRO-3": 0.847,
+    "per B params and token trained": 2.074e-05,  # completion tokens; at 6 FLOPs per parameter: 289 TFLOP/s
+    "per token trained": 3.185e-06,
+    "DeepSpeed optimizer step": 0.1273,
+    "push": 0.02458,
+    "push, per B params woken from sleep": 0.04122,
+    "push, per B params gathered (ZeRO-3)": 0.03087,
+    "wake and sleep": 0.1151,
+    "rest": 0.03699,
+    "rest, per completion": 9.881e-05,
+    "rest, per micro-batch with DeepSpeed": 0.002193,
+    "rest, per micro-batch under ZeRO-3": 0.3697,
+    "rest, TRL's old-logprob forward per completion": 0.001975,
 }
 # |forecast − measured| / measured in %, each row left out of the fit in turn: (median, largest, rows)
 LEAVE_ONE_OUT = {
-    "s/step": (8.9, 33.4, 30),
-    "generation": (10.4, 40.7, 30),
-    "training": (9.9, 31.6, 25),
-    "weight push": (16.6, 38.8, 30),
-    "sleep/wake": (9.1, 33.4, 12),
-    "rest": (19.4, 70.4, 25),
+    "s/step": (7.7, 25.9, 44),
+    "generation": (10.7, 35.6, 44),
+    "training": (10.1, 39.9, 39),
+    "weight push": (17.9, 65.7, 44),
+    "sleep/wake": (27.1, 87.4, 19),
+    "rest": (50.9, 116.8, 38),
 }
 # Start-up: a run's time from `colocate-rl train` to its exit less steps × s/step (launch, vLLM start and CUDA graphs,
 # the first step's warm-up, the end): median, smallest, largest of the 12 rows that recorded their wall time
 STARTUP_S = (92.0, 76.4, 150.8)
 # What the fitted rows span: a recipe beyond it is forecast with a note
 COVERED = {
-    "params_b": (0.135, 1.544),
+    "params_b": (0.135, 1.711),
     "tokens": (256, 256),
     "completions": (8, 256),
     "micro_batches": (1, 8),
@@ -177,7 +188,14 @@ COVERED = {
 def phase_seconds(shape: Shape, fitted: dict[str, float] | None = None) -> dict[str, float]:
     """Seconds per step of each phase for `shape`, with `fitted` constants (default FITTED)."""
     fitted = FITTED if fitted is None else fitted
-    return {phase: sum(fitted[name] * float(x(shape)) for name, x in TERMS[phase]) for phase in PHASES}
+    out = {}
+    for phase in PHASES:
+        parts = {name: fitted[name] * float(x(shape)) for name, x in TERMS[phase]}
+        if phase == "training":
+            floor, compute = (sum(parts.pop(name) for name in names) for names in (FLOOR, COMPUTE))
+            parts["micro-batches"] = max(floor, compute)
+        out[phase] = sum(parts.values())
+    return out
 
 
 def _gpu_problem(host: Host) -> tuple[str | None, str]:

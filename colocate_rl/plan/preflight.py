@@ -259,8 +259,8 @@ def preflight(recipe: Recipe) -> Preflight:
         eval_problems=tuple(check_eval(recipe, sample, functions)),
         launch_problems=tuple(_launch_problems(recipe, layout, config, not model_problems)),
         measure_prompt=(
-            functools.partial(longest_prompt, recipe, recipe.model.name)
-            if layout is None and config is not None and not model_problems and not data_problems
+            functools.partial(longest_prompt, recipe, recipe.model.name, layout)
+            if config is not None and not model_problems and not data_problems
             else lambda: None
         ),
     )
