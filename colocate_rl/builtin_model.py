@@ -237,7 +237,7 @@ _TOKENIZERS: dict[str, tempfile.TemporaryDirectory] = {}  # layout → its token
 
 
 def tokenizer_dir(layout: str) -> Path:
-    """A directory holding `layout`'s tokenizer, the one a build writes (trained once per process, ~2 s; removed at
+    """A directory holding `layout`'s tokenizer, the one a build writes (trained once per process, < 0.1 s; removed at
     exit): what the pre-flight measures prompts with before the model is built. UserError for an unknown layout."""
     if layout not in _TOKENIZERS:
         positions = _layout(layout)["max_position_embeddings"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CPU, H200_GIB, QWEN05, cli, write_recipe
+from conftest import CPU, H200_GIB, QWEN05, ROOT, cli, write_recipe
 from conftest import resolved as resolved_for
 from typer.testing import CliRunner
 
@@ -251,3 +251,17 @@ def test_the_same_step_in_smaller_micro_batches_gives_the_same_gradient(tmp_path
     assert any(r["grad_norm"] > 0 for r in whole)
     for a, b in zip(whole, split, strict=True):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=1e-9)
+
+
+def test_auto_plans_what_the_recorded_h200_sweep_found_fastest_within_the_limit():
+    """The 0.5B layout at 256 completions (docs/benchmarks/results/raw-2026-12-04b/mp05-probe.json): the sweep timed
+    sleep 0 and 2 × micro-batches 64-256 on one H200 and found sleep 0 × 128 the fastest within the limit (0 × 256
+    ran faster but peaked above it); the plan for that GPU chooses the same."""
+    probe = json.loads((ROOT / "docs/benchmarks/results/raw-2026-12-04b/mp05-probe.json").read_text())
+    fastest = probe["sweep"]["fastest"]
+    share = f"generation.vllm_gpu_memory_utilization={probe['sweep']['share']}"  # the sweep's (auto's then: 0.09)
+    sets = ("trainer.gradient_accumulation_steps=16", "generation.sleep_level=auto", share)
+    r = resolved_for(ROOT / "recipes/gpu-0.5b-layout.yaml", assumed_host(1, probe["gpu_memory_gib"]), *sets)
+    planned = (r.recipe.generation.sleep_level, r.recipe.trainer.per_device_train_batch_size)
+    assert planned == (fastest["sleep_level"], fastest["micro_batch"]) == (0, 128)
+    assert r.micro_batch_choice.peak_gib == pytest.approx(fastest["peak_gib"], rel=0.05)  # estimated against measured
