@@ -9,10 +9,11 @@ estimate's other terms are taken as they are; the allowance is what the peak hol
 
     allowance = activations × (a + b without DeepSpeed) + trainer gradients × c + LM-head tile × d
 
-with the gradients as the estimate holds them on the GPU (sharded by ZeRO-2/3, a bucket copy with DDP) and the tile 4,096 tokens × vocabulary × 4 bytes (TRL 1.16's fused LM head works in
-fp32 tiles of 4,096 tokens). a, b, c, d are least squares of the relative error over the rows (every row alike).
-What each stands for is not measured: beyond the activations autograd saves (tests/test_estimate.py checks that term
-on CPU) the driver sees ~10 % more with DeepSpeed's bf16 and more again with torch's autocast over fp32 weights.
+with the gradients as the estimate holds them on the GPU (sharded by ZeRO-2/3, a bucket copy with DDP) and the tile
+4,096 tokens × vocabulary × 4 bytes (TRL 1.16's fused LM head works in fp32 tiles of 4,096 tokens). a, b, c, d are
+least squares of the relative error over the rows (every row alike). What each stands for is not measured: beyond the
+activations autograd saves (tests/test_estimate.py checks that term on CPU) the driver sees ~10 % more with
+DeepSpeed's bf16 and more again with torch's autocast over fp32 weights.
 
 The rows, by source:
 - docs/benchmarks/results/raw-2026-12-04b/mp05-probe.json: gpu-0.5b-layout at 256 completions, share 0.09, sleep

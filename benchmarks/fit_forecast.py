@@ -22,13 +22,14 @@ The rows (colocate-rl's engine, alone on one H200 or two, CUDA graphs), by file:
 - mem-probe (raw-*/mp17-probe.json, raw-*/mp05-probe.json): the timed trials of the measuring probe that completed
   (the 1.7B shape and the 0.5B layout at 256 completions; sleep level × micro-batch, CUDA graphs).
 - train runs (raw-2026-12-04b/ab17-*): the 1.7B shape's A-B-A-B, sleep 0 × 32 against sleep 2 × 64.
-Every row before e3de169 ran TRL's old-logprob forward (`Shape.old_forward`); F, the probe's and the train runs not. A row whose plan `auto` would now settle by the
-forecast itself (sleep level 2 for a larger micro-batch) is refused: the fit must not move the rows it fits.
-Left out, and why: TRL's engine (engine `*-trl-*`, generation `+trl` and `trl_engine`, same-learning `engine: trl`)
-and TRL's server mode (layouts `server*`): another engine, which gets no forecast; the profiled invocations
-(generation `profiled`: the torch profiler ran, and the machine drifted, README "Speed"); runs sharing a GPU
-(real-model `matrix`, same-learning, tools) and eager vLLM (tools, mem-probe-results: no step times either); the LoRA
-timing row (LoRA is not modelled; its error is printed apart); overlapped runs (overlap is not modelled).
+Every row before e3de169 ran TRL's old-logprob forward (`Shape.old_forward`); F, the probe's and the train runs not. A
+row whose plan `auto` would now settle by the forecast itself (sleep level 2 for a larger micro-batch) is refused: the
+fit must not move the rows it fits. Left out, and why: TRL's engine (engine `*-trl-*`, generation `+trl` and
+`trl_engine`, same-learning `engine: trl`) and TRL's server mode (layouts `server*`): another engine, which gets no
+forecast; the profiled invocations (generation `profiled`: the torch profiler ran, and the machine drifted, README
+"Speed"); runs sharing a GPU (real-model `matrix`, same-learning, tools) and eager vLLM (tools, mem-probe-results: no
+step times either); the LoRA timing row (LoRA is not modelled; its error is printed apart); overlapped runs (overlap
+is not modelled).
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@ shorter than generation.max_model_length less the completion, which the estimate
 prompts with SmolLM2's template: at most 181 tokens where 512 were assumed, and the estimate of a 256-completion step
 fell from 123.4 to 91.5 GiB against 91.3 measured).
 
-Measured only where it can be here, before launch, without downloading: a local model directory (its tokenizer
-files) or a built-in model (its tokenizer trained here as its build trains it, `builtin_model.tokenizer_dir`) with a
-built-in task or a local data file. A hub model or dataset, `model.chat_template` or tools (they change the rendered
-prompt) give None: the estimate keeps its assumption. Files are read whole up to MAX_ROWS rows; of more rows than TOKENIZED, the longest by characters are
-tokenized. Never raises: a file or tokenizer that cannot be read gives None (validation reports the file itself).
+Measured only where it can be here, before launch, without downloading: a local model directory (its tokenizer files)
+or a built-in model (its tokenizer trained here as its build trains it, `builtin_model.tokenizer_dir`) with a built-in
+task or a local data file. A hub model or dataset, `model.chat_template` or tools (they change the rendered prompt)
+give None: the estimate keeps its assumption. Files are read whole up to MAX_ROWS rows; of more rows than TOKENIZED,
+the longest by characters are tokenized. Never raises: a file or tokenizer that cannot be read gives None (validation
+reports the file itself).
 """
 
 from __future__ import annotations

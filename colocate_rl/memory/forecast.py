@@ -20,13 +20,13 @@ in billions (those a token goes through for a mixture of experts), V = the vocab
                   TRL's preparation of the batch, the rewards and what no phase times (the step's time less the four
                   phases above)
 
-`FITTED` holds the constants least-squares fitted (relative error; training's by the side of the max each row is
-on) by `benchmarks/fit_forecast.py` to the rows it lists (H200, vLLM 0.26, TRL 1.16; colocate-rl's engine alone on
-the GPU with CUDA graphs), `LEAVE_ONE_OUT` the errors of that fit with each row left out in turn; `tests/test_forecast.py` checks that both are what the script
-computes. A recipe the rows say nothing about where a step spends its time differently (another GPU or the CPU,
-TRL's engine, eager vLLM, offload, tools, several nodes, tensor parallelism, overlap, the engine process) gets no
-forecast and the reason; what is beyond the rows' range but modelled (size, length, batch, GPUs, checkpointing) is
-forecast and named.
+`FITTED` holds the constants least-squares fitted (relative error; training's by the side of the max each row is on)
+by `benchmarks/fit_forecast.py` to the rows it lists (H200, vLLM 0.26, TRL 1.16; colocate-rl's engine alone on the GPU
+with CUDA graphs), `LEAVE_ONE_OUT` the errors of that fit with each row left out in turn; `tests/test_forecast.py`
+checks that both are what the script computes. A recipe the rows say nothing about where a step spends its time
+differently (another GPU or the CPU, TRL's engine, eager vLLM, offload, tools, several nodes, tensor parallelism,
+overlap, the engine process) gets no forecast and the reason; what is beyond the rows' range but modelled (size,
+length, batch, GPUs, checkpointing) is forecast and named.
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ TERMS: dict[str, tuple[tuple[str, Callable[[Shape], float]], ...]] = {
 # work, which the GPU's compute hides once a micro-batch is large) and its compute; the optimizer step adds.
 FLOOR = ("micro-batch, no DeepSpeed", "micro-batch, ZeRO-0/1/2", "micro-batch, ZeRO-3")
 COMPUTE = ("per B params and token trained", "per token trained")
-# Fitted by benchmarks/fit_forecast.py (seconds; its docstring lists the rows: 34 of docs/benchmarks/results/
-# {engine,layouts,generation,seam-ab,real-model,overlap}-results.jsonl and the mem-probe output of raw-*/)
+# Fitted by benchmarks/fit_forecast.py (seconds; its docstring lists the rows: 45 of docs/benchmarks/results/
+# {engine,layouts,generation,seam-ab,real-model,overlap}-results.jsonl, the mem-probe output and train runs of raw-*/)
 FITTED = {
     "decode step": 0.002595,
     "decode step, per sequence": 9.374e-06,
