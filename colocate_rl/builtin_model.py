@@ -13,6 +13,7 @@ the installed trl: TRL renders the tools and parses the model's `<tool_call>` JS
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -177,22 +178,23 @@ def _corpus(n: int = 3000) -> list[str]:
     return out
 
 
-def _train_tokenizer(out_dir: Path, model_max_length: int, layout: str = "tiny") -> None:
-    """Train the byte-level BPE (512 tokens; a warm-started layout's: 768 with TOOL_TOKENS, on the corpus plus
-    calculator transcripts) and save tokenizer.json + tokenizer_config.json (with chat_template)."""
+# transformers' Qwen2Tokenizer pre-tokenizer pattern (transformers.models.qwen2.tokenization_qwen2), copied so that the
+# pre-flight tokenizes without importing transformers (1.4 s); tests/test_builtin_model.py checks the two are equal
+PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+@functools.cache
+def _bpe_json(layout: str) -> str:
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
     from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    warm, template = layout in WARM_STARTS, layout_chat_template(layout)
+    _layout(layout)  # UserError for an unknown layout
+    warm = layout in WARM_STARTS
     tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
+    split = pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
@@ -203,48 +205,42 @@ def _train_tokenizer(out_dir: Path, model_max_length: int, layout: str = "tiny")
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=2,
     )
-    if warm:
-        from colocate_rl.warm_start import transcripts
-
-        tok.train_from_iterator(_corpus() + transcripts(3000, 0, template), trainer)
-        spec = json.loads(tok.to_str())  # the tool tokens not special, as Qwen2.5's: decoding keeps them (TRL, vLLM)
-        for added in spec["added_tokens"]:
-            added["special"] = added["content"] in SPECIAL_TOKENS
-        tok = Tokenizer.from_str(json.dumps(spec))
-    else:
+    if not warm:
         tok.train_from_iterator(_corpus(), trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS,
-        pad_token=PAD,
-        bos_token=None,
-        additional_special_tokens=[BOS_START],
-        model_max_length=model_max_length,
-    )
+        return tok.to_str()
+    from colocate_rl.warm_start import transcripts
+
+    tok.train_from_iterator(_corpus() + transcripts(3000, 0, layout_chat_template(layout)), trainer)
+    spec = json.loads(tok.to_str())  # the tool tokens not special, as Qwen2.5's: decoding keeps them (TRL, vLLM)
+    for added in spec["added_tokens"]:
+        added["special"] = added["content"] in SPECIAL_TOKENS
+    return json.dumps(spec)
+
+
+def bpe_tokenizer(layout: str):
+    """`layout`'s byte-level BPE (512 tokens; warm-started layouts: 768 with TOOL_TOKENS, also trained on calculator
+    transcripts) as a build saves it: trained once per process (< 0.1 s), a copy each call. UserError: unknown layout."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_bpe_json(layout))
+
+
+def _train_tokenizer(out_dir: Path, model_max_length: int, layout: str = "tiny") -> None:
+    """Save `bpe_tokenizer(layout)` as tokenizer.json + tokenizer_config.json (with chat_template)."""
+    from transformers import PreTrainedTokenizerFast
+
+    special = dict(eos_token=EOS, pad_token=PAD, bos_token=None, additional_special_tokens=[BOS_START])
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer(layout), model_max_length=model_max_length, **special)
     fast.save_pretrained(str(out_dir))
     # Keep the template inside tokenizer_config.json (read by every transformers/vLLM version), not a .jinja file.
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = template
+    cfg["chat_template"] = layout_chat_template(layout)
     # What Qwen2.5 ships; transformers 5 picks Qwen2Tokenizer for qwen2 dirs anyway, 4.x then loads tokenizer.json as-is.
     cfg["tokenizer_class"] = "Qwen2Tokenizer"
     cfg["additional_special_tokens"] = cfg.pop("extra_special_tokens", [BOS_START])  # list form both 4.x and 5 read
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-
-
-_TOKENIZERS: dict[str, tempfile.TemporaryDirectory] = {}  # layout → its tokenizer, trained once per process
-
-
-def tokenizer_dir(layout: str) -> Path:
-    """A directory holding `layout`'s tokenizer, the one a build writes (trained once per process, < 0.1 s; removed at
-    exit): what the pre-flight measures prompts with before the model is built. UserError for an unknown layout."""
-    if layout not in _TOKENIZERS:
-        positions = _layout(layout)["max_position_embeddings"]
-        tmp = tempfile.TemporaryDirectory(prefix=f"colocate-rl-tokenizer-{layout}-")
-        _train_tokenizer(Path(tmp.name), positions, layout)
-        _TOKENIZERS[layout] = tmp
-    return Path(_TOKENIZERS[layout].name)
 
 
 def _write(out_dir: Path, layout: str, seed: int, dtype: str) -> int:

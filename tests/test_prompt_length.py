@@ -2,9 +2,12 @@
 model's own tokenizer, and the memory estimate sizing its sequences with it."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from conftest import resolved
+from conftest import QWEN05, resolved
 from transformers import AutoTokenizer
 
 from colocate_rl import prompt_length as P
@@ -87,6 +90,34 @@ def test_a_builtin_models_prompts_are_measured_with_the_tokenizer_its_build_trai
     data.write_text("\n".join(json.dumps({"question": q}) for q in QUESTIONS))
     r = recipe(model_dir, data, "model.name=builtin:tiny")  # nothing built: the pre-flight trains the tokenizer
     assert r.preflight.longest_prompt == P.LongestPrompt(rendered_tokens(model_dir, QUESTIONS[1]), 5, True)
+
+
+@pytest.mark.parametrize("layout", ["tiny", "tiny-calc"])
+def test_a_builtin_layouts_tokens_without_transformers_are_transformers_own(layout, tmp_path):
+    """The pre-flight counts a built-in model's prompt tokens with `tokenizers` and jinja2 (transformers' import
+    takes over a second); the counts equal transformers' on the tokenizer the build writes, chat template and all."""
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as TRANSFORMERS_REGEX
+
+    from colocate_rl.builtin_model import PRETOKENIZE_REGEX, _train_tokenizer
+
+    assert PRETOKENIZE_REGEX == TRANSFORMERS_REGEX
+    _train_tokenizer(tmp_path, 2048, layout)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
+    texts = tokenizer.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
+    assert P._builtin_ids(layout, chats, True) == tokenizer(texts, add_special_tokens=False)["input_ids"]
+    assert P._builtin_ids(layout, QUESTIONS, False) == tokenizer(QUESTIONS)["input_ids"]
+
+
+def test_the_preflight_measures_a_builtin_models_prompts_without_importing_transformers():
+    code = (
+        "import sys; from colocate_rl.pipeline import resolve; from colocate_rl.plan.host import assumed_host;"
+        "from colocate_rl.recipe.load import parse_recipe;"
+        f"r = resolve(parse_recipe({QWEN05!r}), assumed_host(1, 140.0));"
+        "print(r.preflight.longest_prompt.tokens, 'transformers' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent)
+    assert done.stdout.split() == ["40", "False"], done.stderr
 
 
 def test_a_builtin_task_and_a_parquet_file_are_measured_too(model_dir, tmp_path):
