@@ -53,12 +53,13 @@ def sweep_table(sweep) -> Table:
     for e in sweep.entries:
         t = e.trial
         result = "not tried" if t is None else t.outcome if t.ok else f"[red]{t.outcome}[/]"
-        timed = t is not None and t.s_per_step is not None
         table.add_row(
             str(e.config.sleep_level),
             str(e.config.micro_batch),
             result,
-            f"{t.s_per_step:.2f}" if timed else "",
+            ""
+            if e.s_per_step is None
+            else f"{e.s_per_step:.2f}" + (f" ({1 + len(e.again)} trials)" if e.again else ""),
             e.forecast_cell,
             "" if e.peak is None else f"{e.peak:.2f}",
             e.verdict or "[bold]fastest[/]",
@@ -354,7 +355,7 @@ def recommendation_line(measured, sets: dict[str, Any], steps: int, margin: floa
     elif sweep.share > measured.plan.estimate.chosen:
         why = "the smallest share that completed (the estimate's had too little KV cache)"
     timed = f"the fastest of {n} configurations timed" if n > 1 else "measured"
-    return f"recommended: {given} — {best.trial.s_per_step:.2f} s/step, {timed} at share {sweep.share:g}, {why} ({largest}; a larger share buys nothing)"
+    return f"recommended: {given} — {best.s_per_step:.2f} s/step, {timed} at share {sweep.share:g}, {why} ({largest}; a larger share buys nothing)"
 
 
 def _print_measurement(measured, recipe_path: Path, gib: float, steps: int, margin: float, json_out: bool) -> None:
