@@ -57,9 +57,7 @@ def sweep_table(sweep) -> Table:
             str(e.config.sleep_level),
             str(e.config.micro_batch),
             result,
-            ""
-            if e.s_per_step is None
-            else f"{e.s_per_step:.2f}" + (f" ({1 + len(e.again)} trials)" if e.again else ""),
+            "" if e.s_per_step is None else f"{e.s_per_step:.2f}" + (f" ({len(e.timings)} trials)" if e.again else ""),
             e.forecast_cell,
             "" if e.peak is None else f"{e.peak:.2f}",
             e.verdict or "[bold]fastest[/]",

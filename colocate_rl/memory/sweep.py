@@ -49,10 +49,14 @@ class Entry:
     again: list[float] = field(default_factory=list)  # s/step of the trials that timed it again
 
     @property
+    def timings(self) -> list[float]:
+        """The s/step of each trial that timed it (none: [])."""
+        return [self.trial.s_per_step, *self.again] if self.trial is not None and self.trial.s_per_step else []
+
+    @property
     def s_per_step(self) -> float | None:
         """The mean s/step of its timed trials (None when none timed it)."""
-        times = [self.trial.s_per_step, *self.again] if self.trial is not None and self.trial.s_per_step else []
-        return sum(times) / len(times) if times else None
+        return sum(self.timings) / len(self.timings) if self.timings else None
 
     @property
     def peak(self) -> float | None:
@@ -77,7 +81,7 @@ class Entry:
             "micro_batch": self.config.micro_batch,
             "outcome": None if t is None else t.outcome,
             "s_per_step": None if t is None else self.s_per_step,
-            "s_per_step_trials": [] if t is None or not t.s_per_step else [t.s_per_step, *self.again],
+            "s_per_step_trials": self.timings,
             "forecast_s": None if t is None else t.forecast_s,
             "phase_s": None if t is None else t.phase_s,
             "peak_gib": None if self.peak is None else round(self.peak, 3),
@@ -149,6 +153,6 @@ def run_sweep(
     best = fitting[0] if fitting else None
     for e in fitting[1:]:
         s, b = e.s_per_step, best.s_per_step
-        means = f", each the mean of {1 + len(e.again)} trials" if e.again else ""
+        means = f", each the mean of {len(e.timings)} trials" if e.again else ""
         e.verdict = f"{(s / b - 1) * 100:.0f} % slower ({s:.2f} against {b:.2f} s/step{means})"
     return Sweep(share, limit_gib, entries, best)
