@@ -13,11 +13,15 @@ Per workload, in order (each stage a subprocess; a failing one is recorded with 
    and TRL arguments, through colocate-rl's own `VLLMEngine.llm_kwargs`), the same prompt token ids (rank
    0's recorded generations, batch k = generation k) and the run's SamplingParams (variant `trl`), timed over the same
    number of batches after the same warm-up; other variants change one thing each (generation_vllm.VARIANTS).
-3. mp: the same with vLLM's default engine-core process (no `distributed_executor_backend`).
-4. trl: the colocated run again with TRL's engine and the micro-batch as written (TRL_ENGINE: what TRL's own colocate
+3. timed: the colocated run again without the probe (run directory runs/NAME.timed): its generate phase is the
+   ratio's numerator when it ran (tokens from completions/mean_length). The probe costs the phase it measures: with
+   the engine in its own process a probed batch took 2.40 s against 1.45 s unprobed (H200, c256, 2026-12-04).
+4. mp: the same as same with vLLM's default engine-core process (no `distributed_executor_backend`).
+5. trl: the colocated run again with TRL's engine and the micro-batch as written (TRL_ENGINE: what TRL's own colocate
    mode does with the recipe), run directory runs/NAME.trl; the row's `vs_trl_engine` = its s/step ÷ colocated's.
 
-ratio = colocated tokens/s ÷ standalone (same engine, variant trl) tokens/s: 1 is parity, 0.5 half the speed.
+ratio = colocated tokens/s (the timed run's where it ran, else the probed run's) ÷ standalone (same engine, variant
+trl) tokens/s: 1 is parity, 0.5 half the speed.
 
     python benchmarks/bench_generation.py --out OUT --workloads a16,a128 --devices 0
     python benchmarks/bench_generation.py --out OUT --workloads b256 --devices 0,1
@@ -45,7 +49,7 @@ sys.path.insert(0, str(ROOT))  # colocate_rl from this checkout, installed or no
 PROBE_PATH = ROOT / "benchmarks" / "generation_probe"
 STANDALONE = ROOT / "benchmarks" / "generation_vllm.py"
 STEPS, WARMUP = 12, 2  # 10 measured steps
-STAGES = ("colocated", "same", "mp", "trl")
+STAGES = ("colocated", "timed", "same", "mp", "trl")
 TRL_ENGINE = ["generation.engine=trl", "trainer.micro_batch_size=null"]  # stage trl: ≈ TRL's own colocate mode
 SAME_VARIANTS, MP_VARIANTS = "trl,detok,lean", "trl,lean"
 # 1 GPU: no DeepSpeed, as bench_engine.py; the layout recipe's sleep level 2 back to colocate-rl's default (auto)
@@ -78,7 +82,7 @@ NEEDS_MODEL = {"c256"}  # a local model directory (--model) and GSM8K-style json
 
 
 def run_dir(out: Path, name: str, stage: str = "colocated") -> Path:
-    return out / "runs" / (f"{name}.trl" if stage == "trl" else name)
+    return out / "runs" / (name if stage == "colocated" else f"{name}.{stage}")
 
 
 def standalone_out(out: Path, name: str, stage: str) -> Path:
@@ -123,9 +127,9 @@ def stage_env(base: str, stage: str, args: argparse.Namespace) -> dict[str, str]
     """Variables the stage adds: its GPUs, and for the colocated run the probe."""
     gpus = WORKLOADS[base][0]
     devices = args.devices.split(",")
-    trains = stage in ("colocated", "trl")
+    trains = stage in ("colocated", "timed", "trl")
     env = {"CUDA_VISIBLE_DEVICES": ",".join(devices[:gpus] if trains else devices[:1]), "PYTHONPATH": str(ROOT)}
-    if trains:
+    if stage in ("colocated", "trl"):
         env.update(PYTHONPATH=os.pathsep.join([str(PROBE_PATH), str(ROOT)]), COLOCATE_BENCH_PROBE="1")
     for item in args.env:
         key, _, value = item.partition("=")
@@ -271,15 +275,19 @@ def figures(name: str, out: Path, warmup: int, exits: dict[str, int], commands: 
         file = standalone_out(out, name, stage)
         if file.exists():
             row[stage] = standalone_figures(file, warmup)
+    if (run_dir(out, name, "timed") / "metrics.jsonl").exists():
+        row["timed"] = colocated_figures(run_dir(out, name, "timed"), warmup)
     if (run_dir(out, name, "trl") / "metrics.jsonl").exists():
         row["trl_engine"] = colocated_figures(run_dir(out, name, "trl"), warmup)
         ours, theirs = (row.get("colocated") or {}).get("s_per_step"), row["trl_engine"].get("s_per_step")
         if ours and theirs:
             row["vs_trl_engine"] = round(theirs / ours, 3)
-    colocated = (row.get("colocated") or {}).get("tokens_per_s")
+    timed = (row.get("timed") or {}).get("tokens_per_s")
+    colocated = timed or (row.get("colocated") or {}).get("tokens_per_s")
     same = ((row.get("same") or {}).get("variants") or {}).get("trl") or {}
     if colocated and same.get("tokens_per_s"):
         row["ratio"] = round(colocated / same["tokens_per_s"], 3)
+        row["ratio_from"] = "timed" if timed else "colocated (probed)"
         row["sampling_match"] = row["colocated"].get("sampling") == same.get("sampling")
         config_c, config_s = row["colocated"].get("config") or {}, row["same"].get("config") or {}
         row["config_diff"] = {
@@ -310,6 +318,8 @@ TABLE_COLUMNS = [
     ("of which in LLM.generate s", "colocated.llm_generate_s"),
     ("TRL logprob extraction s", "colocated.extract_s"),
     ("GC s in LLM.generate", "colocated.gc_s"),
+    ("unprobed s/batch", "timed.s_per_batch"),
+    ("unprobed tok/s", "timed.tokens_per_s"),
     ("standalone s/batch", "same.variants.trl.s_per_batch"),
     ("standalone tok/s", "same.variants.trl.tokens_per_s"),
     ("ratio colocated/standalone", "ratio"),
@@ -322,7 +332,7 @@ TABLE_COLUMNS = [
     ("exits", "exits"),
 ]
 TABLE_NOTE = (
-    "ratio = colocated tokens/s ÷ standalone tokens/s (same engine arguments, prompts and TRL SamplingParams, one "
+    "ratio = colocated tokens/s (unprobed where the timed stage ran, else probed) ÷ standalone tokens/s (same engine arguments, prompts and TRL SamplingParams, one "
     "GPU; 1 = parity, 0.5 = half the speed). Per rank (rank 0), median over the measured batches; tok/s = tokens ÷ "
     "seconds summed over them. detok / lean / mp-engine: the standalone with detokenize=True (TRL's own engine) / with no logprobs "
     "and no detokenization / with vLLM's own engine-core process (benchmarks/generation_vllm.py). TRL engine: the "
@@ -358,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", default="0,1", help="GPU ids; a workload takes as many as it needs, first first")
     parser.add_argument("--steps", type=int, default=STEPS, help="training steps = generations (colocated)")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="first generations left out of the figures")
-    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated, of colocated,same,mp")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
     parser.add_argument("--variants", default=SAME_VARIANTS, help="standalone variants, same engine")
     parser.add_argument("--mp-variants", default=MP_VARIANTS, help="standalone variants, vLLM's engine-core process")
     parser.add_argument("--model", help="c256: local model directory (SmolLM2-135M-Instruct)")
@@ -393,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{base}+{args.tag}" if args.tag else base
             exits, commands = {}, []
             for stage in stages:
-                if stage in ("colocated", "trl"):
+                if stage in ("colocated", "timed", "trl"):
                     argv = colocated_command(name, base, args.out, args, stage)
                 else:
                     argv = standalone_command(name, stage, args.out, args)

@@ -22,6 +22,9 @@ The rows, by source:
   copy; here the hub id, whose layout is the same), share 0.24, prompts of 181 tokens at most, sleep 0 × 32 and 2 × 64.
 - generation-results.jsonl: c256 (SmolLM2-135M, micro-batches 32 and 128, share 0.3) and a128 (gpu-0.5b-layout
   without DeepSpeed, micro-batches 16 and 64, share 0.25), vLLM awake.
+- raw-2026-12-04c/b15-*: the Qwen2.5-1.5B layout (built-in, random init) on one H200 at 256 completions, share 0.1 (auto),
+  ZeRO-2: sleep 0 × 64 (the plan's choice), 2 × 64 and 0 × 32 (train runs, 6 steps; `mem/gpu_peak_gib`, max over steps);
+  raw-2026-12-04c/o05-auto: the 0.5B layout at full auto (share 0.08, sleep 0 × 128).
 - mem-probe-results.jsonl: gpu-0.5b-layout at micro-batch 16 with vLLM asleep (share 0.9, eager vLLM); the 1.5B ZeRO-2
   run on 2 GPUs of docs/benchmarks/README.md session 5.
 - docs/benchmarks/gpu-runs.md: gpu-0.5b-layout without DeepSpeed at micro-batch 16, TRL's engine, asleep and awake (the
@@ -52,6 +55,8 @@ ZERO2 = ("distributed.deepspeed=zero3", "distributed.zero_stage=2", "distributed
          "distributed.offload_params=false")  # fmt: skip
 SMOL = ("eval.every_steps=null", "trainer.gradient_accumulation_steps=8", *ZERO2)
 A05 = ("trainer.gradient_accumulation_steps=16", *ZERO2, "trainer.gradient_checkpointing=false")
+B15 = ("trainer.per_device_train_batch_size=16", "trainer.gradient_accumulation_steps=16", *ZERO2,
+       "trainer.gradient_checkpointing=false")  # fmt: skip
 DDP = ("distributed.deepspeed=null", "distributed.zero_stage=null", "generation.sleep_level=0",
        "trainer.gradient_accumulation_steps=8")  # fmt: skip
 
@@ -132,6 +137,11 @@ ROWS = [
         )  # fmt: skip
         for name, sets, peak in [("asleep", (), 14.554), ("awake", ("generation.sleep_level=0",), 49.773)]
     ),
+    *(
+        (f"1.5B 256 sleep {s} x {m} (b15)", "gpu-1.5b-layout-zero3", 1, (*B15, *_sweep(s, m)), 0.1, None, peak)
+        for s, m, peak in [(0, 64, 104.65), (2, 64, 95.385), (0, 32, 76.877)]
+    ),
+    ("0.5B 256 sleep 0 x 128 (auto run)", "gpu-0.5b-layout", 1, (*A05, *_sweep(0, 128)), 0.08, None, 77.699),
     (
         "1.5B ZeRO-2 2 GPUs (eager)",
         "gpu-1.5b-layout-zero3",

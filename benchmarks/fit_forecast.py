@@ -21,7 +21,8 @@ The rows (colocate-rl's engine, alone on one H200 or two, CUDA graphs), by file:
   not B-mps, which ran under MPS); F ran after e3de169 (GRPO without TRL's old-logprob forward), the others before.
 - mem-probe (raw-*/mp17-probe.json, raw-*/mp05-probe.json): the timed trials of the measuring probe that completed
   (the 1.7B shape and the 0.5B layout at 256 completions; sleep level × micro-batch, CUDA graphs).
-- train runs (raw-2026-12-04b/ab17-*): the 1.7B shape's A-B-A-B, sleep 0 × 32 against sleep 2 × 64.
+- train runs (raw-2026-12-04b/ab17-*): the 1.7B shape's A-B-A-B, sleep 0 × 32 against sleep 2 × 64; (raw-2026-12-04c/)
+  the 1.5B layout at 256 completions (sleep 0 × 64, 2 × 64, 0 × 32) and the 0.5B layout at full auto (0 × 128).
 Every row before e3de169 ran TRL's old-logprob forward (`Shape.old_forward`); F, the probe's and the train runs not. A
 row whose plan `auto` would now settle by the forecast itself (sleep level 2 for a larger micro-batch) is refused: the
 fit must not move the rows it fits. Left out, and why: TRL's engine (engine `*-trl-*`, generation `+trl` and
@@ -119,13 +120,39 @@ PROBES = {
 # Run directories of `colocate-rl train` (raw-*/: metrics.jsonl, forecast.json), timed as the probe times a trial
 # (medians over the steps after the first): the 1.7B shape's A-B-A-B at share 0.24, ZeRO-2
 AB17 = ["generation.vllm_gpu_memory_utilization=0.24", "distributed.deepspeed=zero3", "distributed.zero_stage=2"]
+# and the 1.5B layout at share 0.1 (ZeRO-2, as auto chose it) and the 0.5B layout at full auto (share 0.08), pinned
+# as their plans chose
+ZERO2 = ["distributed.deepspeed=zero3", "distributed.zero_stage=2", "trainer.gradient_checkpointing=false"]
+B15 = ["trainer.per_device_train_batch_size=16", "trainer.gradient_accumulation_steps=16", *ZERO2,
+       "generation.vllm_gpu_memory_utilization=0.1"]  # fmt: skip
 RUNS = {
-    f"raw-2026-12-04b/ab17-{arm}{k}": ("smollm2-135m-gsm8k", SMOL17[0], [*SMOL17[1], *AB17, *sets])
-    for k in (1, 2)
-    for arm, sets in (
-        ("a", ["generation.sleep_level=0", "trainer.micro_batch_size=32"]),
-        ("b", ["generation.sleep_level=2", "trainer.micro_batch_size=64"]),
-    )
+    **{
+        f"raw-2026-12-04b/ab17-{arm}{k}": ("smollm2-135m-gsm8k", SMOL17[0], [*SMOL17[1], *AB17, *sets])
+        for k in (1, 2)
+        for arm, sets in (
+            ("a", ["generation.sleep_level=0", "trainer.micro_batch_size=32"]),
+            ("b", ["generation.sleep_level=2", "trainer.micro_batch_size=64"]),
+        )
+    },
+    **{
+        f"raw-2026-12-04c/b15-{arm}": (
+            "gpu-1.5b-layout-zero3",
+            None,
+            [*B15, f"generation.sleep_level={s}", f"trainer.micro_batch_size={m}"],
+        )
+        for arm, s, m in (("auto", 0, 64), ("s2m64", 2, 64), ("s0m32", 0, 32))
+    },
+    "raw-2026-12-04c/o05-auto": (
+        "gpu-0.5b-layout",
+        None,
+        [
+            "trainer.gradient_accumulation_steps=16",
+            *ZERO2,
+            "generation.vllm_gpu_memory_utilization=0.08",
+            "generation.sleep_level=0",
+            "trainer.micro_batch_size=128",
+        ],
+    ),
 }
 
 
@@ -334,7 +361,8 @@ def startup() -> tuple[float, float, float, int]:
 
 
 def fit_phase(phase: str, rows: list[Row]) -> dict[str, float]:
-    """Least squares of the relative error over the rows that measured `phase` (and have a term for it). Training's
+    """Least squares of the relative error over the rows that measured `phase` (and have a term for it), no constant
+    below 0. Training's
     micro-batches take the longer of floor and compute (`forecast.FLOOR`, `forecast.COMPUTE`): each row is fitted
     by the part that is longer for it, from the additive fit on, until no row changes sides."""
     terms = fc.TERMS[phase]
@@ -344,7 +372,15 @@ def fit_phase(phase: str, rows: list[Row]) -> dict[str, float]:
     y = np.array([r.measured[phase] for r, _ in data])
 
     def solve(design: np.ndarray) -> np.ndarray:
-        return np.linalg.lstsq(design / y[:, None], np.ones(len(y)), rcond=None)[0]
+        """Least squares with every constant ≥ 0 (each is a cost): the most negative term is dropped (0) and the
+        rest fitted again until none is negative."""
+        kept = np.ones(design.shape[1], dtype=bool)
+        while True:
+            coef = np.zeros(design.shape[1])
+            coef[kept] = np.linalg.lstsq(design[:, kept] / y[:, None], np.ones(len(y)), rcond=None)[0]
+            if (coef >= 0).all():
+                return coef
+            kept[np.argmin(coef)] = False
 
     coef = solve(X)
     if phase == "training":

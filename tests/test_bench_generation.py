@@ -74,14 +74,21 @@ def test_dry_run_prints_each_workloads_commands_and_runs_nothing(tmp_path, model
     )
     lines = capsys.readouterr().out.splitlines()
     assert code == 0 and not out.exists()
-    assert len(lines) == 4 * len(bench.WORKLOADS)  # colocated, same, mp, trl per workload
-    by_workload = {name: lines[4 * i : 4 * i + 4] for i, name in enumerate(bench.WORKLOADS)}
-    for name, (colocated, same, mp, trl) in by_workload.items():
+    assert len(lines) == 5 * len(bench.WORKLOADS)  # colocated, timed, same, mp, trl per workload
+    by_workload = {name: lines[5 * i : 5 * i + 5] for i, name in enumerate(bench.WORKLOADS)}
+    for name, (colocated, timed, same, mp, trl) in by_workload.items():
         gpus = "0,1" if name == "b256" else "0"
         assert colocated.startswith(
             f"CUDA_VISIBLE_DEVICES={gpus} PYTHONPATH={bench.PROBE_PATH}:{bench.ROOT} COLOCATE_BENCH_PROBE=1 "
         )
         argv = shlex.split(colocated.split(" ", 3)[3])
+        # stage timed: the same run without the probe, in its own run directory
+        assert timed.startswith(f"CUDA_VISIBLE_DEVICES={gpus} PYTHONPATH={bench.ROOT} ") and "PROBE" not in timed
+        timed_argv = shlex.split(timed.split(" ", 2)[2])
+        assert timed_argv[argv.index("--run-dir") + 1] == str(out / "runs" / f"{name}.timed")
+        assert [a for a in timed_argv if a != timed_argv[argv.index("--run-dir") + 1]] == [
+            a for a in argv if a != argv[argv.index("--run-dir") + 1]
+        ]
         assert argv[1:5] == ["-m", "colocate_rl", "train", bench.WORKLOADS[name][1]]
         assert argv[argv.index("--run-dir") + 1] == str(out / "runs" / name)
         sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
@@ -512,6 +519,26 @@ def test_ratio_and_table_from_hand_written_result_files(tmp_path):
     assert cells["standalone lean tok/s"] == "200.0" and cells["mp-engine trl tok/s"] == ""
     assert cells["exits"] == "colocated:0 same:0" and cells["CUDA graph max size"] == "4"
     assert text.count("| a16 |") == 1 and "ratio = colocated tokens/s" in text
+
+
+def test_the_ratio_takes_the_unprobed_runs_generate_phase_where_it_ran(tmp_path):
+    """Made-up numbers: the probed run 2 s a batch, the timed (unprobed) run 1.25 s, standalone 1 s → ratio 0.8 from
+    the timed run, with its tokens from completions/mean_length (it has no probe records)."""
+    write_hand_made_results(tmp_path, "c256")
+    run, timed = tmp_path / "runs" / "c256", tmp_path / "runs" / "c256.timed"
+    timed.mkdir()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    faster = [{**r, "time/generate_s": 1.25} for r in records]
+    (timed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in faster))
+    (timed / "launch.json").write_text(json.dumps({"trl_args": {"per_device_train_batch_size": 2}}))
+    row = bench.figures("c256", tmp_path, 1, {"colocated": 0, "timed": 0, "same": 0}, [])
+    assert row["colocated"]["tokens_per_s"] == 50.0 and row["timed"]["tokens_per_s"] == 80.0
+    assert row["timed"]["tokens_from"] == "completions/mean_length"
+    assert (row["ratio"], row["ratio_from"]) == (0.8, "timed")
+    assert "| 1.25 | 80.0 |" in bench.table([row])
+    (timed / "metrics.jsonl").unlink()  # no timed run: the probed run's figure, and the row says so
+    without = bench.figures("c256", tmp_path, 1, {}, [])
+    assert (without["ratio"], without["ratio_from"]) == (0.5, "colocated (probed)")
 
 
 def test_table_option_rewrites_table_md_from_results(tmp_path):

@@ -402,27 +402,39 @@ def test_7b_with_long_completions_on_one_80gib_gpu_without_zero_does_not_fit():
     r = rec(QWEN05, 1, *sets, prompt=512)
     # DDP: 14.19 weights + 14.19 grads + 28.37 AdamW; training adds 223 GiB of activations and the allowance
     assert not r.base.fits and not r.base.asleep_fits and r.base.total("training") > 290
-    # nothing alone fits; checkpointing + ZeRO-3 + optimizer and param offload does (ZeRO-3 is what offload needs)
-    assert r.applied == ["gradient checkpointing", "ZeRO-3", "optimizer offload", "param offload"]
-    assert r.changes == {
+    # nothing alone fits, nor checkpointing + ZeRO-3 + optimizer and param offload (ZeRO-3 is what offload needs):
+    # completions half as long then do
+    assert r.applied == [
+        "gradient checkpointing",
+        "ZeRO-3",
+        "optimizer offload",
+        "param offload",
+        "shorter completions",
+    ]
+    offloaded = {
         "trainer.gradient_checkpointing": True,
         "distributed.deepspeed": "zero3",
         "distributed.offload_optimizer": True,
         "distributed.offload_params": True,
-        "generation.vllm_gpu_memory_utilization": 0.28,
     }
-    f = r.final
-    # training after the change: 1.25 context + 14.185 grads + 0.28 residue + 2e9 B gathered params + checkpointed
+    assert r.changes == {
+        **offloaded,
+        "trainer.max_completion_length": 2048,
+        "generation.max_model_length": 2560,
+        "generation.vllm_gpu_memory_utilization": 0.27,
+    }
+    assert r.final.fits
+    four = est(QWEN05, 1, *sets, *(f"{k}={json.dumps(v)}" for k, v in offloaded.items()), prompt=512)
+    # training with the four: 1.25 context + 14.185 grads + 0.28 vLLM sleep residue + 2e9 B gathered params + checkpointed
     # activations (28 × 2 × 3584 + 232,448) B × 8 × 4608 tokens, and the allowance: a share of those activations, of
-    # the gradients and of one LM-head tile (4,096 × 152,064 × 4 B)
+    # the gradients and of one LM-head tile (4,096 × 152,064 × 4 B); above the 72 GiB limit (80 less 10 %)
     act = (28 * 2 * 3584 + 232_448) * 8 * 4608 / GIB
     c = ALLOWANCE
     allowance = (
         act * c["activations"] + 2 * N7 / GIB * c["gradients"] + 4096 * 152_064 * 4 / GIB * c["per LM-head tile"]
     )
     expected = 1.25 + 2 * N7 / GIB + 0.28 + 2e9 / GIB + act + allowance
-    assert f.total("training") == pytest.approx(expected) and round(expected, 2) == 72.74
-    assert f.fits
+    assert four.total("training") == pytest.approx(expected) and round(expected, 2) == 77.61
 
 
 def test_tensor_parallelism_and_shorter_completions_are_suggested():
@@ -641,13 +653,14 @@ HAND_WRITTEN = [
 def test_the_training_allowance_is_the_fit_of_the_measured_training_peaks():
     """ALLOWANCE is what benchmarks/fit_estimate.py fits to the H200 training peaks it lists (0.135-1.7B, micro-batches
     16-256, ZeRO-2 and no DeepSpeed, vLLM awake and asleep), and the estimate is then within ±8 % of each but one
-    (the 0.5B layout without DeepSpeed at micro-batch 64: −12.9 %)."""
+    (the 0.5B layout without DeepSpeed at micro-batch 64: −12.8 %). The 1.5B layout's three rows on one GPU (sleep
+    0 × 64, 2 × 64, 0 × 32) were within +0.5, −4.1 and −1.2 % before they joined the fit."""
     fit = import_benchmark("fit_estimate").analysis()
     assert fit["fitted"].keys() == ALLOWANCE.keys()
     for name, value in fit["fitted"].items():
         assert ALLOWANCE[name] == pytest.approx(value, rel=1e-3), name
     errors = fit["errors"]
-    assert len(errors) == 16 and all(-13 < e < 8 for e in errors.values()), errors
+    assert len(errors) == 20 and all(-13 < e < 8 for e in errors.values()), errors
     assert sum(abs(e) > 8 for e in errors.values()) == 1
 
 

@@ -20,12 +20,12 @@ H200 = Host(gpus=(Gpu("NVIDIA H200", H200_GIB),), has_vllm=True, cpu_count=16)
 H200_ARGS = ("--gpus", "1", "--gpu-memory", "140")
 # Largest |fit − measured| / measured (%) over the rows, each phase and s/step, with every row in the fit
 IN_SAMPLE_LARGEST = {
-    "s/step": 25,
-    "generation": 32,
-    "training": 38,
+    "s/step": 26,
+    "generation": 45,
+    "training": 46,
     "weight push": 66,
-    "sleep/wake": 72,
-    "rest": 84,
+    "sleep/wake": 69,
+    "rest": 80,
 }
 
 
@@ -38,11 +38,12 @@ def test_the_constants_are_the_fit_of_the_measured_rows(fit):
     assert fit["fitted"].keys() == fc.FITTED.keys()
     for name, value in fit["fitted"].items():
         assert fc.FITTED[name] == pytest.approx(value, rel=1e-3), name
-    assert all(value > 0 for value in fc.FITTED.values())  # each term adds time
+    assert all(value >= 0 for value in fc.FITTED.values())  # each term adds time (or none: held at 0)
+    assert [k for k, v in fc.FITTED.items() if v == 0] == ["decode step, per sequence and B params"]
     assert fit["leave_one_out"] == fc.LEAVE_ONE_OUT
     assert fit["startup"][:3] == pytest.approx(fc.STARTUP_S, abs=0.05) and fit["startup"][3] == 12
     assert fit["covered"] == fc.COVERED
-    assert len(fit["rows"]) == 46  # 45 in the fit, the LoRA row apart
+    assert len(fit["rows"]) == 50  # 49 in the fit (48 with s/step), the LoRA row apart
 
 
 def test_every_row_is_reproduced_within_the_error_measured(fit):
@@ -56,18 +57,21 @@ def test_the_issue_target_at_256_completions_holds_per_configuration(fit):
     """±20 % of measured s/step at 256 completions per step on the three sizes of issue 29 (SmolLM2-135M, the 0.5B
     layout, the 1.7B shape): each configuration measured (micro-batches, layout, sleep level) against the median of
     its runs (the same configuration varied by up to 18 % between invocations: 1.7B sleep 0 × 32 ran 5.72, 6.75 and
-    6.76 s/step). Left out of the fit one row at a time, the largest errors are those rows' own spread (c256+mbauto
-    of 2026-12-02: −20.6 %; the 1.7B A-B-A-B's sleep 0 rows: −20.6 %)."""
+    6.76 s/step). The 1.5B layout is fitted but not one of the three: its sleep 2 × 64 run generated a batch in 1.81 s
+    against 2.42 and 2.95 at sleep 0 (+25 %). Left out of the fit one row at a time, the largest errors at 256
+    completions are rows that alone measured a term's regime: SmolLM2-135M at 8 micro-batches (−44.7 %: the
+    DeepSpeed floor at a small model) and that 1.5B run (+37.6 %); the others within 22 %."""
     groups: dict[tuple, list] = {}
     for r in fit["rows"]:
         if r.shape.completions == 256 and "s/step" in r.measured and not r.lora:
             groups.setdefault(r.shape, []).append(r.measured["s/step"])
-    assert {round(shape.params_b, 3) for shape in groups} == {0.135, 0.494, 1.711}
+    assert {round(shape.params_b, 3) for shape in groups} == {0.135, 0.494, 1.544, 1.711}
     for shape, measured in groups.items():
         median = statistics.median(measured)
-        assert abs(sum(fc.phase_seconds(shape).values()) - median) <= 0.2 * median, (shape, measured)
-    loo = [e for r, e in fit["loo"]["s/step"] if r.shape.completions == 256]
-    assert len(loo) == 26 and max(abs(e) for e in loo) < 21
+        error = sum(fc.phase_seconds(shape).values()) / median - 1
+        assert abs(error) <= (0.26 if round(shape.params_b, 3) == 1.544 else 0.2), (shape, measured)
+    loo = sorted(abs(e) for r, e in fit["loo"]["s/step"] if r.shape.completions == 256)
+    assert len(loo) == 30 and loo[-1] < 45 and loo[-3] < 22
 
 
 def test_the_rows_resolve_to_what_they_ran(fit):
@@ -93,13 +97,13 @@ def test_the_rows_resolve_to_what_they_ran(fit):
     }
     # every row before e3de169 ran it; F, the mem-probe rows and the train runs came after
     after = [r.key for r in fit["rows"] if not r.shape.old_forward]
-    assert len(after) == 15 and all(r.source in ("overlap-results", "mem-probe", "train runs") for r in fit["rows"]
+    assert len(after) == 19 and all(r.source in ("overlap-results", "mem-probe", "train runs") for r in fit["rows"]
                                     if r.key in after)  # fmt: skip
     # the probe's and the train runs' configurations, as they ran (1.7B: the hub layout of the random-init shape)
     probed = {(round(r.shape.params_b, 3), r.shape.sleep_level, r.shape.micro_batches) for r in fit["rows"]
               if r.source in ("mem-probe", "train runs")}  # fmt: skip
     assert probed == {(0.494, 0, 4), (0.494, 0, 2), (0.494, 0, 1), (0.494, 2, 4), (0.494, 2, 2), (0.494, 2, 1),
-                      (1.711, 0, 8), (1.711, 2, 4)}  # fmt: skip
+                      (1.711, 0, 8), (1.711, 2, 4), (1.544, 0, 4), (1.544, 2, 4), (1.544, 0, 8)}  # fmt: skip
 
 
 def test_rloo_runs_trls_old_logprob_forward_and_grpo_forms_them_in_the_loss():
@@ -165,7 +169,7 @@ def test_validate_dry_run_and_estimate_print_the_forecast():
     estimate = cli_here("mem-probe", "gpu-0.5b-layout", "--estimate", *H200_ARGS)
     lines = fc.forecast_lines(fc.forecast(resolved("gpu-0.5b-layout", assumed_host(1, 140.0))))
     assert lines[0].startswith("forecast (140 GiB GPUs taken as H200s): ") and " s/step = generation " in lines[0]
-    assert "each left out of the fit in turn: s/step median 7.7 %, largest 26 %" in lines[1] and len(lines) == 2
+    assert "each left out of the fit in turn: s/step median 7.2 %, largest 45 %" in lines[1] and len(lines) == 2
     for result, prefix in ((validate, ""), (dry, "# "), (estimate, "")):
         assert result.returncode == 0, result.stdout + result.stderr
         assert [prefix + line for line in lines] == [x for x in result.stdout.splitlines() if "forecast" in x]

@@ -8,10 +8,14 @@ averaged 216; with that mean as L the fit is no better, 8.2 against 7.7 % median
 training pads each micro-batch to its longest), C = completions per step, M = micro-batches per step, N = parameters
 in billions (those a token goes through for a mixture of experts), V = the vocabulary:
 
-    generation  = L · (decode step + C · (per sequence + N · per B params + V · per 100k vocabulary))
-    training    = max(M · floor per micro-batch (by layout), C · L · (N · per B params + per token) (× 4/3 with
-                  checkpointing)) + optimizer step: a micro-batch takes the longer of its floor (launches, DeepSpeed's
-                  per-pass work) and its compute
+    generation  = L · (decode step + C · (per sequence + N · per B params + V · per 100k vocabulary + KV · per MB
+                  of KV read)), KV = the KV cache's bytes per token × L/2: what attention reads per decode step
+                  half-way through the completion (the prompt not counted; SmolLM2-1.7B has 32 KV heads and 7× the
+                  KV bytes per token of Qwen2.5-1.5B's 2)
+    training    = max(M · (floor per micro-batch (by layout) + N · per B params with DeepSpeed), C · L · (N · per B
+                  params + per token) (× 4/3 with checkpointing)) + optimizer step: a micro-batch takes the longer of
+                  its floor (launches, DeepSpeed's per-pass work, which grows with the gradients it handles) and its
+                  compute
     weight push = fixed + N · (woken weights when asleep + ZeRO-3 gathers)
     sleep/wake  = per step with vLLM asleep (levels 1 and 2)
     rest        = fixed + C · per completion + M · per micro-batch (by layout) + C · per completion of TRL's no-grad
@@ -22,8 +26,10 @@ in billions (those a token goes through for a mixture of experts), V = the vocab
 
 `FITTED` holds the constants least-squares fitted (relative error; training's by the side of the max each row is on)
 by `benchmarks/fit_forecast.py` to the rows it lists (H200, vLLM 0.26, TRL 1.16; colocate-rl's engine alone on the GPU
-with CUDA graphs), `LEAVE_ONE_OUT` the errors of that fit with each row left out in turn; `tests/test_forecast.py`
-checks that both are what the script computes. A recipe the rows say nothing about where a step spends its time
+with CUDA graphs), none below 0 (a term the fit would make negative is held at 0: generation's per B params is, as
+a 256-sequence batch's decode took no longer at 1.5B than at 0.5B, so a model beyond the rows' 1.7B is forecast to
+generate too fast, and is named as beyond them), `LEAVE_ONE_OUT` the errors of that fit with each row left out in
+turn; `tests/test_forecast.py` checks that both are what the script computes. A recipe the rows say nothing about where a step spends its time
 differently (another GPU or the CPU, TRL's engine, eager vLLM, offload, tools, several nodes, tensor parallelism,
 overlap, the engine process) gets no forecast and the reason; what is beyond the rows' range but modelled (size,
 length, batch, GPUs, checkpointing) is forecast and named.
@@ -72,6 +78,7 @@ class Shape:
     checkpointing: bool
     gpus: int  # ranks per node
     vocab: int = 0  # the model's vocabulary (vLLM's sampler works over all of it for every sequence and token)
+    kv_bytes: int = 0  # KV cache bytes per token, all layers (bf16): what attention reads per token of context
     old_forward: bool = False  # TRL's own no-grad forward for the old log-probabilities (RLOO; see the docstring)
 
     @property
@@ -93,12 +100,18 @@ def shape_of(resolved: Resolved) -> Shape:
         checkpointing=resolved.gradient_checkpointing,
         gpus=resolved.nproc_per_node,
         vocab=lay.vocab,
+        kv_bytes=2 * lay.layers * lay.kv_heads * lay.hd * 2,
         old_forward=algorithms.get(resolved.recipe.algorithm).trainer == "rloo",
     )
 
 
 def _micro(layout: str) -> Callable[[Shape], float]:
     return lambda s: s.micro_batches * (s.layout == layout)
+
+
+def _kv_read_mb(s: Shape) -> float:
+    """MB of KV cache a sequence's decode step reads, at the completion's middle (the prompt not counted)."""
+    return s.kv_bytes * s.tokens / 2 / 1e6
 
 
 def _trained_tokens(s: Shape) -> float:
@@ -112,11 +125,13 @@ TERMS: dict[str, tuple[tuple[str, Callable[[Shape], float]], ...]] = {
         ("decode step, per sequence", lambda s: s.tokens * s.completions),
         ("decode step, per sequence and B params", lambda s: s.tokens * s.completions * s.params_b),
         ("decode step, per sequence and 100k vocabulary", lambda s: s.tokens * s.completions * s.vocab / 1e5),
+        ("decode step, per sequence and MB of KV read", lambda s: s.tokens * s.completions * _kv_read_mb(s)),
     ),
     "training": (
         ("micro-batch, no DeepSpeed", _micro("plain")),
         ("micro-batch, ZeRO-0/1/2", _micro("zero")),
         ("micro-batch, ZeRO-3", _micro("zero3")),
+        ("micro-batch, DeepSpeed, per B params", lambda s: s.micro_batches * s.params_b * (s.stage is not None)),
         ("per B params and token trained", lambda s: s.params_b * _trained_tokens(s)),
         ("per token trained", _trained_tokens),
         ("DeepSpeed optimizer step", lambda s: s.stage is not None),
@@ -137,39 +152,46 @@ TERMS: dict[str, tuple[tuple[str, Callable[[Shape], float]], ...]] = {
 }
 # Training is not a sum: a micro-batch takes the longer of its floor (the CPU's launches and DeepSpeed's per-pass
 # work, which the GPU's compute hides once a micro-batch is large) and its compute; the optimizer step adds.
-FLOOR = ("micro-batch, no DeepSpeed", "micro-batch, ZeRO-0/1/2", "micro-batch, ZeRO-3")
+FLOOR = (
+    "micro-batch, no DeepSpeed",
+    "micro-batch, ZeRO-0/1/2",
+    "micro-batch, ZeRO-3",
+    "micro-batch, DeepSpeed, per B params",
+)
 COMPUTE = ("per B params and token trained", "per token trained")
-# Fitted by benchmarks/fit_forecast.py (seconds; its docstring lists the rows: 45 of docs/benchmarks/results/
+# Fitted by benchmarks/fit_forecast.py (seconds; its docstring lists the rows: 49 of docs/benchmarks/results/
 # {engine,layouts,generation,seam-ab,real-model,overlap}-results.jsonl, the mem-probe output and train runs of raw-*/)
 FITTED = {
-    "decode step": 0.002595,
-    "decode step, per sequence": 9.374e-06,
-    "decode step, per sequence and B params": 9.576e-06,
-    "decode step, per sequence and 100k vocabulary": 1.117e-05,
+    "decode step": 0.002757,
+    "decode step, per sequence": 7.684e-06,
+    "decode step, per sequence and B params": 0.0,  # held at 0 (fitted below it): see the docstring
+    "decode step, per sequence and 100k vocabulary": 1.262e-05,
+    "decode step, per sequence and MB of KV read": 6.29e-07,
     "micro-batch, no DeepSpeed": 0.109,
-    "micro-batch, ZeRO-0/1/2": 0.2821,
-    "micro-batch, ZeRO-3": 0.847,
-    "per B params and token trained": 2.074e-05,  # completion tokens; at 6 FLOPs per parameter: 289 TFLOP/s
-    "per token trained": 3.185e-06,
-    "DeepSpeed optimizer step": 0.1273,
-    "push": 0.02458,
-    "push, per B params woken from sleep": 0.04122,
-    "push, per B params gathered (ZeRO-3)": 0.03087,
-    "wake and sleep": 0.1151,
-    "rest": 0.03699,
-    "rest, per completion": 9.881e-05,
-    "rest, per micro-batch with DeepSpeed": 0.002193,
-    "rest, per micro-batch under ZeRO-3": 0.3697,
-    "rest, TRL's old-logprob forward per completion": 0.001975,
+    "micro-batch, ZeRO-0/1/2": 0.2631,
+    "micro-batch, ZeRO-3": 0.8149,
+    "micro-batch, DeepSpeed, per B params": 0.05193,
+    "per B params and token trained": 1.585e-05,  # completion tokens; at 6 FLOPs per parameter: 379 TFLOP/s
+    "per token trained": 6.121e-06,
+    "DeepSpeed optimizer step": 0.06903,
+    "push": 0.02485,
+    "push, per B params woken from sleep": 0.04134,
+    "push, per B params gathered (ZeRO-3)": 0.03057,
+    "wake and sleep": 0.1101,
+    "rest": 0.03671,
+    "rest, per completion": 0.0001009,
+    "rest, per micro-batch with DeepSpeed": 0.004605,
+    "rest, per micro-batch under ZeRO-3": 0.3676,
+    "rest, TRL's old-logprob forward per completion": 0.001961,
 }
 # |forecast − measured| / measured in %, each row left out of the fit in turn: (median, largest, rows)
 LEAVE_ONE_OUT = {
-    "s/step": (7.7, 25.9, 44),
-    "generation": (10.7, 35.6, 44),
-    "training": (10.1, 39.9, 39),
-    "weight push": (17.9, 65.7, 44),
-    "sleep/wake": (27.1, 87.4, 19),
-    "rest": (50.9, 116.8, 38),
+    "s/step": (7.2, 44.7, 48),
+    "generation": (9.1, 64.4, 48),
+    "training": (12.1, 69.3, 43),
+    "weight push": (18.5, 65.5, 48),
+    "sleep/wake": (29.8, 76.2, 20),
+    "rest": (42.6, 113.8, 42),
 }
 # Start-up: a run's time from `colocate-rl train` to its exit less steps × s/step (launch, vLLM start and CUDA graphs,
 # the first step's warm-up, the end): median, smallest, largest of the 12 rows that recorded their wall time
