@@ -332,10 +332,11 @@ TABLE_COLUMNS = [
     ("exits", "exits"),
 ]
 TABLE_NOTE = (
-    "ratio = colocated tokens/s (unprobed where the timed stage ran, else probed) ÷ standalone tokens/s (same engine arguments, prompts and TRL SamplingParams, one "
-    "GPU; 1 = parity, 0.5 = half the speed). Per rank (rank 0), median over the measured batches; tok/s = tokens ÷ "
-    "seconds summed over them. detok / lean / mp-engine: the standalone with detokenize=True (TRL's own engine) / with no logprobs "
-    "and no detokenization / with vLLM's own engine-core process (benchmarks/generation_vllm.py). TRL engine: the "
+    "ratio = colocated tokens/s (unprobed where the timed stage ran, else probed) ÷ standalone tokens/s (same engine "
+    "arguments, prompts and TRL SamplingParams, one GPU; 1 = parity, 0.5 = half the speed). Per rank (rank 0), median "
+    "over the measured batches; tok/s = tokens ÷ seconds summed over them. detok / lean / mp-engine: the standalone "
+    "with detokenize=True (TRL's own engine) / with no logprobs and no detokenization / with vLLM's own engine-core "
+    "process (benchmarks/generation_vllm.py). TRL engine: the "
     "same run with generation.engine trl and the micro-batch as written (≈ TRL's own colocate mode); × = its s/step "
     "÷ colocate-rl's.\n"
 )

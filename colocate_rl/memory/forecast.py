@@ -29,10 +29,10 @@ by `benchmarks/fit_forecast.py` to the rows it lists (H200, vLLM 0.26, TRL 1.16;
 with CUDA graphs), none below 0 (a term the fit would make negative is held at 0: generation's per B params is, as
 a 256-sequence batch's decode took no longer at 1.5B than at 0.5B, so a model beyond the rows' 1.7B is forecast to
 generate too fast, and is named as beyond them), `LEAVE_ONE_OUT` the errors of that fit with each row left out in
-turn; `tests/test_forecast.py` checks that both are what the script computes. A recipe the rows say nothing about where a step spends its time
-differently (another GPU or the CPU, TRL's engine, eager vLLM, offload, tools, several nodes, tensor parallelism,
-overlap, the engine process) gets no forecast and the reason; what is beyond the rows' range but modelled (size,
-length, batch, GPUs, checkpointing) is forecast and named.
+turn; `tests/test_forecast.py` checks that both are what the script computes. A recipe the rows say nothing about
+where a step spends its time differently (another GPU or the CPU, TRL's engine, eager vLLM, offload, tools, several
+nodes, tensor parallelism, overlap, the engine process) gets no forecast and the reason; what is beyond the rows'
+range but modelled (size, length, batch, GPUs, checkpointing) is forecast and named.
 """
 
 from __future__ import annotations
