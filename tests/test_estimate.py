@@ -425,9 +425,9 @@ def test_7b_with_long_completions_on_one_80gib_gpu_without_zero_does_not_fit():
     }
     assert r.final.fits
     four = est(QWEN05, 1, *sets, *(f"{k}={json.dumps(v)}" for k, v in offloaded.items()), prompt=512)
-    # training with the four: 1.25 context + 14.185 grads + 0.28 vLLM sleep residue + 2e9 B gathered params + checkpointed
-    # activations (28 × 2 × 3584 + 232,448) B × 8 × 4608 tokens, and the allowance: a share of those activations, of
-    # the gradients and of one LM-head tile (4,096 × 152,064 × 4 B); above the 72 GiB limit (80 less 10 %)
+    # training with the four: 1.25 context + 14.185 grads + 0.28 vLLM sleep residue + 2e9 B gathered params +
+    # checkpointed activations (28 × 2 × 3584 + 232,448) B × 8 × 4608 tokens, and the allowance: a share of those
+    # activations, of the gradients and of one LM-head tile (4,096 × 152,064 × 4 B); over the 72 GiB limit (80 − 10 %)
     act = (28 * 2 * 3584 + 232_448) * 8 * 4608 / GIB
     c = ALLOWANCE
     allowance = (
@@ -538,6 +538,7 @@ EAGER = "generation.enforce_eager=true"
 SLEEP_OFF = "generation.sleep_level=0"
 DDP = ("distributed.zero_stage=null", "trainer.gradient_checkpointing=false")  # gpu-0.5b-layout as it shipped then
 RANKS2 = "distributed.nproc_per_node=2"
+B15_256 = ("trainer.per_device_train_batch_size=16", "trainer.gradient_accumulation_steps=16")  # 256 completions/step
 
 # Measurements recorded without all the estimate needs, written out (source: docs/benchmarks/ and results/).
 HAND_WRITTEN = [
@@ -644,6 +645,42 @@ HAND_WRITTEN = [
                 2,
                 ("distributed.offload_optimizer=true",),
                 {"step end": 21.115},
+            ),
+        ]
+    ),
+    # results/raw-2026-12-04c/ (train runs, 6–10 steps, no probe; metrics.jsonl's NVML readings after step 1): the
+    # run's peak (`mem/gpu_peak_gib`, reached in training), and with vLLM asleep also the GPU at the end of generate
+    # and of the weight push (awake, the allocator still holds training's blocks there). 256 completions per step.
+    *(
+        pytest.param(Measured(recipe, 1, (*ZERO2, *sets), util, H200, peaks), id=run)
+        for run, recipe, sets, util, peaks in [
+            (
+                "1.5b 256 sleep 0 x 64 (plan's choice) 2026-12-04c",
+                GPU15,
+                (*B15_256, SLEEP_OFF, "trainer.micro_batch_size=64"),
+                0.1,
+                {"training": 104.65},
+            ),
+            (
+                "1.5b 256 sleep 2 x 64 2026-12-04c",
+                GPU15,
+                (*B15_256, "generation.sleep_level=2", "trainer.micro_batch_size=64"),
+                0.1,
+                {"generation": 36.795, "weight sync": 26.248, "training": 95.385},
+            ),
+            (
+                "1.5b 256 sleep 0 x 32 2026-12-04c",
+                GPU15,
+                (*B15_256, SLEEP_OFF, "trainer.micro_batch_size=32"),
+                0.1,
+                {"training": 76.877},
+            ),
+            (
+                "0.5b 256 full auto (sleep 0 x 128) 2026-12-04c",
+                GPU05,
+                ("trainer.gradient_accumulation_steps=16", SLEEP_OFF, "trainer.micro_batch_size=128"),
+                0.08,
+                {"training": 77.699},
             ),
         ]
     ),
