@@ -14,8 +14,8 @@ Per workload, in order (each stage a subprocess; a failing one is recorded with 
    0's recorded generations, batch k = generation k) and the run's SamplingParams (variant `trl`), timed over the same
    number of batches after the same warm-up; other variants change one thing each (generation_vllm.VARIANTS).
 3. timed: the colocated run again without the probe (run directory runs/NAME.timed): its generate phase is the
-   ratio's numerator when it ran (tokens from completions/mean_length). The probe costs the phase it measures: with
-   the engine in its own process a probed batch took 2.40 s against 1.45 s unprobed (H200, c256, 2026-12-04).
+   ratio's numerator when it ran (tokens from completions/mean_length). The probe slows the phase it measures
+   (docs/benchmarks/README.md, issue 28's generation efficiency unprobed).
 4. mp: the same as same with vLLM's default engine-core process (no `distributed_executor_backend`).
 5. trl: the colocated run again with TRL's engine and the micro-batch as written (TRL_ENGINE: what TRL's own colocate
    mode does with the recipe), run directory runs/NAME.trl; the row's `vs_trl_engine` = its s/step ÷ colocated's.
@@ -51,6 +51,7 @@ STANDALONE = ROOT / "benchmarks" / "generation_vllm.py"
 STEPS, WARMUP = 12, 2  # 10 measured steps
 STAGES = ("colocated", "timed", "same", "mp", "trl")
 TRL_ENGINE = ["generation.engine=trl", "trainer.micro_batch_size=null"]  # stage trl: ≈ TRL's own colocate mode
+TRAINING_STAGES, PROBED_STAGES = ("colocated", "timed", "trl"), ("colocated", "trl")  # `colocate-rl train` runs
 SAME_VARIANTS, MP_VARIANTS = "trl,detok,lean", "trl,lean"
 # 1 GPU: no DeepSpeed, as bench_engine.py; the layout recipe's sleep level 2 back to colocate-rl's default (auto)
 PLAIN = ["distributed.deepspeed=null", "distributed.zero_stage=null", "generation.sleep_level=auto"]
@@ -127,9 +128,9 @@ def stage_env(base: str, stage: str, args: argparse.Namespace) -> dict[str, str]
     """Variables the stage adds: its GPUs, and for the colocated run the probe."""
     gpus = WORKLOADS[base][0]
     devices = args.devices.split(",")
-    trains = stage in ("colocated", "timed", "trl")
+    trains = stage in TRAINING_STAGES
     env = {"CUDA_VISIBLE_DEVICES": ",".join(devices[:gpus] if trains else devices[:1]), "PYTHONPATH": str(ROOT)}
-    if stage in ("colocated", "trl"):
+    if stage in PROBED_STAGES:
         env.update(PYTHONPATH=os.pathsep.join([str(PROBE_PATH), str(ROOT)]), COLOCATE_BENCH_PROBE="1")
     for item in args.env:
         key, _, value = item.partition("=")
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{base}+{args.tag}" if args.tag else base
             exits, commands = {}, []
             for stage in stages:
-                if stage in ("colocated", "timed", "trl"):
+                if stage in TRAINING_STAGES:
                     argv = colocated_command(name, base, args.out, args, stage)
                 else:
                     argv = standalone_command(name, stage, args.out, args)

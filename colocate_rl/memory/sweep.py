@@ -80,7 +80,7 @@ class Entry:
             "sleep_level": self.config.sleep_level,
             "micro_batch": self.config.micro_batch,
             "outcome": None if t is None else t.outcome,
-            "s_per_step": None if t is None else self.s_per_step,
+            "s_per_step": self.s_per_step,
             "s_per_step_trials": self.timings,
             "forecast_s": None if t is None else t.forecast_s,
             "phase_s": None if t is None else t.phase_s,
