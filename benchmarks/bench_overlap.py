@@ -2,7 +2,8 @@
 """Overlap (issue 28), side by side in one invocation on one GPU: colocate-rl with `generation.overlap: one_step`,
 colocate-rl without (`off`; `process`: without, the engine in its own process, for its generation speed alone;
 `overlap-mps`: with, under a CUDA MPS daemon of its own, so that the two processes' kernels can run at once;
-`overlap-mp`: with, vLLM's engine core in a process of its own beside the engine process),
+`overlap-mp`: with, vLLM's engine core in a process of its own beside the engine process; `overlap-plain`: with,
+the trainer without DeepSpeed, fp32 weights under bf16 autocast),
 and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-batch set by hand: `trl` at share 0.3,
 `trl-lean` at the share one batch needs with the larger micro-batch), in the order given (default A-B-C-A-B-C), on
 256 completions per step of recipes/smollm2-135m-gsm8k.yaml's task.
@@ -42,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
 # process: no overlap, the engine in its own process; overlap-mps: overlap with a CUDA MPS daemon of its own (`Mps`)
-ARMS = ("overlap", "off", "process", "trl", "trl-lean", "overlap-mps", "overlap-mp")
+ARMS = ("overlap", "off", "process", "trl", "trl-lean", "overlap-mps", "overlap-mp", "overlap-plain")
+PLAIN = ["distributed.zero_stage=null", "model.dtype=float32"]  # overlap-plain: no DeepSpeed, fp32 master weights
 PHASES = ("generate", "prepare", "reward", "train", "weight_sync", "optimizer")
 SHAPE_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                   intermediate_size=8192)  # fmt: skip
@@ -108,6 +110,7 @@ def command(
         f"generation.overlap={'one_step' if arm.startswith('overlap') else 'off'}",
         *(["generation.engine_process=true"] if arm == "process" else []),
         *(["generation.vllm_multiprocessing=true"] if arm == "overlap-mp" else []),
+        *(PLAIN if arm == "overlap-plain" else []),
         *sets,
     ]
     argv = [sys.executable, "-m", "colocate_rl", "train", RECIPE, "--run-dir", str(run)]

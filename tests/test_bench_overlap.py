@@ -102,6 +102,14 @@ def test_the_mp_arm_is_the_overlap_run_with_vllms_engine_core_in_a_process_of_it
     assert overlap.model_copy(update={"generation": mp.generation, "output": mp.output}) == mp
 
 
+def test_the_plain_arm_is_the_overlap_run_without_deepspeed_and_with_fp32_weights(tmp_path):
+    overlap = recipe_of(B.command("overlap", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, []))
+    plain = recipe_of(B.command("overlap-plain", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "r", 12, []))
+    assert (overlap.distributed.zero_stage, overlap.model.dtype) == ("auto", "auto")
+    assert (plain.distributed.zero_stage, plain.model.dtype, plain.generation.overlap) == (None, "float32", "one_step")
+    assert overlap.model_copy(update={"distributed": plain.distributed, "model": plain.model}) == plain
+
+
 def test_the_larger_shape_keeps_the_source_tokenizers_chat_template(tmp_path, monkeypatch):
     """transformers 5 saves a chat template as chat_template.jinja; without it the d256 run stopped at its rank."""
     from colocate_rl.builtin_model import build_model
