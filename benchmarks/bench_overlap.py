@@ -202,6 +202,8 @@ def figures(arm: str, run: Path, started: float | None = None) -> dict:
         engine = [r["engine_process/generate_s"] for r in tail if "engine_process/generate_s" in r]
         if engine:  # the engine process's own generation time: beside training, against `off`'s generate phase
             out["engine_generate_s"] = round(statistics.median(engine), 4)
+            # every step's, from step 1 (generated alone, the trainer waiting): its drift over the run and between runs
+            out["engine_generate_steps"] = [round(r.get("engine_process/generate_s", float("nan")), 3) for r in rows]
         out["torch_peak_gib"] = max((r["mem/torch_peak_gib"] for r in rows if "mem/torch_peak_gib" in r), default=None)
         out["alloc_retries"] = sum(r.get("mem/alloc_retries", 0) for r in rows)  # GPU full: cache freed, retried
     if trl and rows:
