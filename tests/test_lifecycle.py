@@ -244,6 +244,12 @@ def test_launch_sh_of_a_live_run_is_refused_and_its_torchrun_holds_the_lock(tmp_
 # ---------------------------------------------------------------------------------------------- the CLI, torchrun
 
 
+def _default_stop_signals() -> None:
+    """As from a terminal: pytest itself may run under `nohup` (SIGHUP ignored, which the launcher keeps ignoring)."""
+    for signum in (signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def start(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "colocate_rl", "train", *args],
@@ -252,6 +258,7 @@ def start(*args: str, env: dict | None = None) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_default_stop_signals,
     )
 
 
