@@ -204,6 +204,10 @@ def figures(arm: str, run: Path, started: float | None = None) -> dict:
             out["engine_generate_s"] = round(statistics.median(engine), 4)
             # every step's, from step 1 (generated alone, the trainer waiting): its drift over the run and between runs
             out["engine_generate_steps"] = [round(r.get("engine_process/generate_s", float("nan")), 3) for r in rows]
+            for key in ("cpu_s", "preempted"):  # whether its CPU was its own: CPU seconds, times the OS took it away
+                values = [r[f"engine_process/{key}"] for r in tail if f"engine_process/{key}" in r]
+                if values:
+                    out[f"engine_{key}"] = round(statistics.median(values), 3)
         out["torch_peak_gib"] = max((r["mem/torch_peak_gib"] for r in rows if "mem/torch_peak_gib" in r), default=None)
         out["alloc_retries"] = sum(r.get("mem/alloc_retries", 0) for r in rows)  # GPU full: cache freed, retried
     if trl and rows:

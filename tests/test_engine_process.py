@@ -8,6 +8,7 @@ The tests that start the child process are in the slow tier (`slow`: a test that
 import contextlib
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -117,7 +118,9 @@ def test_the_engine_process_generates_what_the_rank_would_and_takes_every_push(s
     eng, model = serving
     assert eng.process.is_alive() and eng.process.pid != os.getpid()
     first = eng.generate(PROMPTS, GREEDY)
-    assert first.completion_ids == here(model) and first.engine_s > 0  # timed where it ran
+    assert first.completion_ids == here(model)
+    usage = first.engine_usage  # measured where it ran
+    assert usage["generate_s"] > 0 and usage["cpu_s"] > 0 and isinstance(usage["preempted"], int)
     with torch.no_grad():  # an optimizer step, as far as the engine can tell
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
@@ -276,3 +279,44 @@ def test_vllms_worker_loads_and_checks_the_staged_weights_as_collective_rpc_hand
         assert worker.colocate_rl_compare(specs) == []
     for name, param in target.named_parameters():
         assert torch.equal(param, dict(source.named_parameters())[name]), name
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU pinning is Linux's")
+def test_the_usage_counts_the_times_another_thread_took_the_cpu(tmp_path):
+    """What `engine_process/preempted` tells: a busy loop alone on a CPU is rarely switched out; beside a second
+    busy process pinned to the same CPU, the OS time-slices them and the count rises."""
+    import multiprocessing
+    import resource
+
+    from colocate_rl.rank.engine_server import usage_since
+
+    def busy(seconds: float) -> dict:
+        before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            pass
+        return usage_since(before, started)
+
+    cpu = min(os.sched_getaffinity(0))
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        alone = busy(0.3)
+        rival = multiprocessing.get_context("fork").Process(target=_spin_on, args=(cpu, 3.0))
+        rival.start()
+        try:
+            time.sleep(0.2)  # the rival is spinning
+            shared = busy(0.6)
+        finally:
+            rival.kill()
+            rival.join()
+    finally:
+        os.sched_setaffinity(0, saved)
+    assert shared["preempted"] >= 10 > alone["preempted"], (alone, shared)
+    assert shared["cpu_s"] < 0.8 * shared["generate_s"]  # about half of the CPU's time was the rival's
+
+
+def _spin_on(cpu: int, seconds: float) -> None:
+    os.sched_setaffinity(0, {cpu})
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass

@@ -191,6 +191,8 @@ def test_without_overlap_the_engine_process_generates_each_batch_in_turn(tmp_pat
     assert f["steps"] == 4 and f["s_per_step_range"][0] <= f["s_per_step"] <= f["s_per_step_range"][1]
     assert f["engine_generate_s"] > 0 and 0 < f["startup_s"] < HANG_GUARD_S  # rank 0's start to its first step
     assert f["engine_generate_steps"] == [round(r["engine_process/generate_s"], 3) for r in steps]
+    assert all(r["engine_process/cpu_s"] > 0 and r["engine_process/preempted"] >= 0 for r in steps)
+    assert f["engine_cpu_s"] > 0 and f["engine_preempted"] >= 0
     assert sum(line.count("ready; staging buffer") for line in f["startup_lines"]) == 2  # 2 ranks, 1 log
 
 

@@ -68,7 +68,9 @@ class Generation:
 
     completion_ids: list[list[int]]
     logprobs: list[list[float | None]] | None = None
-    engine_s: float | None = None  # seconds an engine process spent generating it (overlap hides them)
+    # what an engine process spent generating it (overlap hides it): `generate_s` seconds; `cpu_s` its CPU seconds,
+    # all threads (CUDA's spin-waits count); `preempted` how often the OS took its CPU for another runnable thread
+    engine_usage: dict[str, float] | None = None
 
     def placed(self, at: list[int], n: int) -> Generation:
         """This generation's completions (one per prompt of `at`) at those positions of `n` prompts, no completion

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import resource
 import signal
 import sys
 import time
@@ -211,6 +212,18 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def usage_since(before: resource.struct_rusage, started: float) -> dict[str, float]:
+    """This process's wall and CPU seconds (all threads) since `started`/`before`, and its involuntary context
+    switches: the times the OS gave its CPU to another runnable thread (CPU contention, where CPU time cannot tell:
+    CUDA's waits spin)."""
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "generate_s": time.perf_counter() - started,
+        "cpu_s": now.ru_utime + now.ru_stime - before.ru_utime - before.ru_stime,
+        "preempted": now.ru_nivcsw - before.ru_nivcsw,
+    }
+
+
 def serve(conn, spec: dict[str, Any]) -> None:
     """The engine process: build the engine, then answer commands until `stop` or until the rank goes away."""
     _end_with_parent()
@@ -232,9 +245,9 @@ def serve(conn, spec: dict[str, Any]) -> None:
             if op == "stage":
                 engine.stage(args)
             elif op == "generate":
-                started = time.perf_counter()
+                before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
                 result = engine.generate(*args)
-                result.engine_s = time.perf_counter() - started
+                result.engine_usage = usage_since(before, started)
             elif op == "load":
                 engine.load(args)
             elif op == "check":

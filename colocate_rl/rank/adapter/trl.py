@@ -169,8 +169,9 @@ class _EngineHooks:
                 part = self.engine.generate(prompt_ids[i : i + step], sampling)
                 out.completion_ids += part.completion_ids
                 out.logprobs = None if out.logprobs is None or part.logprobs is None else out.logprobs + part.logprobs
-                if part.engine_s is not None:
-                    out.engine_s = (out.engine_s or 0.0) + part.engine_s
+                if part.engine_usage is not None:
+                    total = out.engine_usage or {}
+                    out.engine_usage = {k: total.get(k, 0) + v for k, v in part.engine_usage.items()}
             self._log_engine_time(out)
             return out
 
@@ -194,9 +195,11 @@ class _EngineHooks:
 
     def _log_engine_time(self, out: Generation) -> None:
         """`engine_process/generate_s`: how long an engine process took for a training batch (beside the trainer
-        when it was generated ahead)."""
-        if out.engine_s is not None and self.model.training:
-            self._metrics["train"]["engine_process/generate_s"].append(out.engine_s)
+        when it was generated ahead); `engine_process/cpu_s` and `engine_process/preempted` (Generation.engine_usage)
+        whether its CPU was its own meanwhile."""
+        if out.engine_usage is not None and self.model.training:
+            for key, value in out.engine_usage.items():
+                self._metrics["train"][f"engine_process/{key}"].append(value)
 
     def _engine_generate(self, prompt_ids, images, multimodal_fields, logprobs: bool = True) -> Generation:
         if images is not None and any(i is not None for i in images) or multimodal_fields:
