@@ -3,7 +3,8 @@
 colocate-rl without (`off`; `process`: without, the engine in its own process, for its generation speed alone;
 `overlap-mps`: with, under a CUDA MPS daemon of its own, so that the two processes' kernels can run at once;
 `overlap-mp`: with, vLLM's engine core in a process of its own beside the engine process; `overlap-plain`: with,
-the trainer without DeepSpeed, fp32 weights under bf16 autocast),
+the trainer without DeepSpeed, fp32 weights under bf16 autocast; `overlap-omp1`: with, every process of the run at
+one torch CPU thread, as vLLM sets its own multiprocess workers against CPU contention),
 and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-batch set by hand: `trl` at share 0.3,
 `trl-lean` at the share one batch needs with the larger micro-batch), in the order given (default A-B-C-A-B-C), on
 256 completions per step of recipes/smollm2-135m-gsm8k.yaml's task.
@@ -43,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
 # process: no overlap, the engine in its own process; overlap-mps: overlap with a CUDA MPS daemon of its own (`Mps`)
-ARMS = ("overlap", "off", "process", "trl", "trl-lean", "overlap-mps", "overlap-mp", "overlap-plain")
+ARMS = ("overlap", "off", "process", "trl", "trl-lean", "overlap-mps", "overlap-mp", "overlap-plain", "overlap-omp1")
+ARM_ENV = {"overlap-omp1": {"OMP_NUM_THREADS": "1"}}  # the plan leaves a variable the user set alone
 PLAIN = ["distributed.zero_stage=null", "model.dtype=float32"]  # overlap-plain: no DeepSpeed, fp32 master weights
 PHASES = ("generate", "prepare", "reward", "train", "weight_sync", "optimizer")
 SHAPE_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
@@ -280,7 +282,7 @@ class Run:
 
     def start(self, out: Path, env: dict) -> None:
         self.mps = Mps(out / f"mps-{self.name}") if self.arm.endswith("-mps") else None
-        self.env = self.mps.start(env) if self.mps is not None else env
+        self.env = {**(self.mps.start(env) if self.mps is not None else env), **ARM_ENV.get(self.arm, {})}
         self.peak = PeakMemory()
         self.peak.start()
         self.started = time.time()

@@ -110,6 +110,25 @@ def test_the_plain_arm_is_the_overlap_run_without_deepspeed_and_with_fp32_weight
     assert overlap.model_copy(update={"distributed": plain.distributed, "model": plain.model}) == plain
 
 
+def test_the_omp1_arm_is_the_overlap_run_with_one_cpu_thread_a_process(tmp_path, monkeypatch):
+    overlap = recipe_of(B.command("overlap", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, []))
+    omp1 = recipe_of(B.command("overlap-omp1", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "r", 12, []))
+    assert omp1.model_copy(update={"output": overlap.output}) == overlap
+    started = {}
+
+    class Popen:  # the run's command is not started here (a GPU run); what it would get is recorded
+        def __init__(self, argv, cwd, env, stdout, stderr):
+            started[argv[-1]] = env
+
+    monkeypatch.setattr(B.subprocess, "Popen", Popen)
+    monkeypatch.setattr(B, "PeakMemory", lambda: type("P", (), {"start": lambda self: None})())
+    for arm in ("overlap", "overlap-omp1"):
+        B.Run(1, arm, 0, arm, tmp_path / arm, ["python", arm]).start(tmp_path, {"OMP_NUM_THREADS": "16"})
+    # the plan leaves a variable set in the launcher's environment alone for the ranks (and their engine processes):
+    # tests/test_overlap.py checks that rule with PYTORCH_CUDA_ALLOC_CONF
+    assert (started["overlap"]["OMP_NUM_THREADS"], started["overlap-omp1"]["OMP_NUM_THREADS"]) == ("16", "1")
+
+
 def test_the_larger_shape_keeps_the_source_tokenizers_chat_template(tmp_path, monkeypatch):
     """transformers 5 saves a chat template as chat_template.jinja; without it the d256 run stopped at its rank."""
     from colocate_rl.builtin_model import build_model
