@@ -45,8 +45,12 @@ sys.path.insert(0, str(ROOT))
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
 # process: no overlap, the engine in its own process; overlap-mps: overlap with a CUDA MPS daemon of its own (`Mps`)
 ARMS = ("overlap", "off", "process", "trl", "trl-lean", "overlap-mps", "overlap-mp", "overlap-plain", "overlap-omp1")
+ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry says why)
+    "process": ["generation.engine_process=true"],
+    "overlap-mp": ["generation.vllm_multiprocessing=true"],
+    "overlap-plain": ["distributed.zero_stage=null", "model.dtype=float32"],  # no DeepSpeed, fp32 master weights
+}
 ARM_ENV = {"overlap-omp1": {"OMP_NUM_THREADS": "1"}}  # the plan leaves a variable the user set alone
-PLAIN = ["distributed.zero_stage=null", "model.dtype=float32"]  # overlap-plain: no DeepSpeed, fp32 master weights
 PHASES = ("generate", "prepare", "reward", "train", "weight_sync", "optimizer")
 SHAPE_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                   intermediate_size=8192)  # fmt: skip
@@ -110,9 +114,7 @@ def command(
         f"trainer.max_steps={steps}",
         f"trainer.seed={seed}",
         f"generation.overlap={'one_step' if arm.startswith('overlap') else 'off'}",
-        *(["generation.engine_process=true"] if arm == "process" else []),
-        *(["generation.vllm_multiprocessing=true"] if arm == "overlap-mp" else []),
-        *(PLAIN if arm == "overlap-plain" else []),
+        *ARM_SETS.get(arm, []),
         *sets,
     ]
     argv = [sys.executable, "-m", "colocate_rl", "train", RECIPE, "--run-dir", str(run)]

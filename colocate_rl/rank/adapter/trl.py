@@ -172,7 +172,7 @@ class _EngineHooks:
                 if part.engine_usage is not None:
                     total = out.engine_usage or {}
                     out.engine_usage = {k: total.get(k, 0) + v for k, v in part.engine_usage.items()}
-            self._log_engine_time(out)
+            self._log_engine_usage(out)
             return out
 
     def _overlapped(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
@@ -190,10 +190,10 @@ class _EngineHooks:
                 next_ids = tokenize_prompts(self, [row["prompt"] for row in self._ahead[0]])
                 self._pending = (next_ids, sampling, self.engine.submit(next_ids, sampling))
         self._metrics["train"]["overlap/ahead"].append(ahead)
-        self._log_engine_time(out)
+        self._log_engine_usage(out)
         return out
 
-    def _log_engine_time(self, out: Generation) -> None:
+    def _log_engine_usage(self, out: Generation) -> None:
         """`engine_process/generate_s`: how long an engine process took for a training batch (beside the trainer
         when it was generated ahead); `engine_process/cpu_s` and `engine_process/preempted` (Generation.engine_usage)
         whether its CPU was its own meanwhile."""
