@@ -379,7 +379,7 @@ def write_run(run_dir, evals, rewards, *, walls=None, sync=0.05, peak=30.0, lora
         )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if launch:
-        engine = EngineOptions(0, None, False, None, 8192, False, 64 * 2**20, False, True, False)
+        engine = EngineOptions(0, None, False, None, 8192, False, 64 * 2**20, False, True, False, 1)
         spec = LaunchSpec(
             "/m", "grpo", "vllm", "cuda", 1, {"vllm_gpu_memory_utilization": 0.2, "learning_rate": 1e-5}, engine, "h"
         )

@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 from colocate_rl.errors import EngineProcessError, StaleWeightsError, UserError
 from colocate_rl.rank import engine_process as P
 from colocate_rl.rank import weights as W
-from colocate_rl.rank.engine import Sampling
+from colocate_rl.rank.engine import Generation, Sampling
 from colocate_rl.rank.hf_engine import generate_with
 
 GREEDY = Sampling(max_tokens=6, temperature=0.0)
@@ -145,10 +145,10 @@ def test_a_hold_does_not_wait_for_the_generation_in_flight(serving):
     long = Sampling(max_tokens=200, temperature=0.0)
     with eng.hold():
         pending = eng.submit(PROMPTS * 8, long)
-    assert not eng._answers, "leaving the hold waited for the generation"
+    assert not any(c.answers for c in eng.children), "leaving the hold waited for the generation"
     assert len(pending.result().completion_ids) == 24
     assert eng.generate(PROMPTS, GREEDY).completion_ids == here(model)
-    assert not eng._unawaited  # the hold's answers were read, in order, behind the generation's
+    assert not any(c.unawaited for c in eng.children)  # the hold's answers were read, in order, behind the generation's
     eng._send_only("hold_end")  # no hold to end: the child answers with an error
     with pytest.raises(EngineProcessError, match="the generation engine process failed: IndexError"):
         eng.generate(PROMPTS, GREEDY)
@@ -201,6 +201,68 @@ def test_an_engine_process_that_cannot_start_says_why(tmp_path):
         eng.start()
     eng.stop()
     assert eng.process is None
+
+
+def test_a_batch_is_split_in_order_among_the_engine_processes_and_joined_back():
+    assert P.split(list(range(7)), 2) == [[0, 1, 2, 3], [4, 5, 6]]
+    assert P.split([[1]], 3) == [[[1]], [], []]  # an engine process without prompts is not asked
+    assert P.split(list(range(8)), 1) == [list(range(8))]
+    a = Generation([[1, 2], [3]], [[-0.1, -0.2], [-0.3]], {"generate_s": 2.0, "cpu_s": 2.1, "preempted": 3})
+    b = Generation([[4]], [[-0.4]], {"generate_s": 1.5, "cpu_s": 1.6, "preempted": 5})
+    both = P.joined([a, b])
+    assert both.completion_ids == [[1, 2], [3], [4]] and both.logprobs == [[-0.1, -0.2], [-0.3], [-0.4]]
+    # the batch took as long as its slowest part; CPU seconds and preemptions add up over the processes
+    assert both.engine_usage == {"generate_s": 2.0, "cpu_s": pytest.approx(3.7), "preempted": 8}
+    assert P.joined([a, Generation([[4]])]).logprobs is None  # a part without logprobs: none for the batch
+    assert P.joined([a]) is a
+
+
+def test_each_engine_process_gets_its_own_seed_and_its_part_of_vllms_memory():
+    base = {
+        "kind": "vllm", "seed": 7, "max_batch": None,
+        "llm_args": {"gpu_memory_utilization": 0.3, "max_num_seqs": 257, "tensor_parallel_size": 1},
+        "options": {"max_num_seqs": None, "kv_cache_memory_bytes": 2**30, "sleep_level": 0},
+    }  # fmt: skip
+    assert P.child_specs(base, 1) == [base]
+    first, second = P.child_specs(base, 2)
+    assert [first["seed"], second["seed"]] == [7, 7 + P.SEED_STRIDE]
+    for child in (first, second):
+        assert child["llm_args"] == {"gpu_memory_utilization": 0.15, "max_num_seqs": 129, "tensor_parallel_size": 1}
+        assert child["options"] == {"max_num_seqs": None, "kv_cache_memory_bytes": 2**29, "sleep_level": 0}
+    assert base["llm_args"]["gpu_memory_utilization"] == 0.3  # the rank's spec is left as it was
+    transformers = P.child_specs(spec("/m"), 2)
+    assert [c["seed"] for c in transformers] == [0, P.SEED_STRIDE] and transformers[1]["device"] == "cpu"
+
+
+@pytest.mark.slow  # starts two engine processes
+def test_two_engine_processes_generate_what_the_rank_would_take_every_push_and_end_the_call_when_one_dies(saved):
+    model = tiny_model(seed=0)
+    eng = P.ProcessEngine(
+        spec(saved), model, no_gather, bucket_bytes=4096, check_weights=True, device="cpu", processes=2
+    )
+    eng.start()
+    try:
+        pids = [c.process.pid for c in eng.children]
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+        out = eng.generate(PROMPTS, GREEDY)  # 2 prompts to the first, 1 to the second
+        assert out.completion_ids == here(model)
+        assert out.engine_usage["generate_s"] > 0 and out.engine_usage["cpu_s"] > 0
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        eng.push_weights()  # the same staging buffer, loaded by both, then checked in both
+        assert eng.generate(PROMPTS, GREEDY).completion_ids == here(model)
+        with torch.no_grad():
+            model.model.norm.weight.add_(1.0)
+        with pytest.raises(StaleWeightsError, match=r"engine process 1: model.norm.weight differs"):
+            eng.check_weights()
+        os.kill(pids[1], signal.SIGKILL)
+        eng.children[1].process.join(timeout=10)
+        with pytest.raises(EngineProcessError, match=rf"engine process \(pid {pids[1]}\) ended with exit code -9"):
+            eng.generate(PROMPTS, GREEDY)
+    finally:
+        eng.stop()
+    assert eng.process is None and not eng.children
 
 
 def test_the_vllm_engine_process_leaves_torchruns_world():

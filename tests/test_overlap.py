@@ -5,6 +5,7 @@ engine in its own process (transformers there; vLLM on GPUs, tests/test_gpu.py) 
 stops and resumes with every step once, and ends in one line when the engine process dies."""
 
 import json
+import re
 import signal
 
 import psutil
@@ -169,12 +170,14 @@ def test_an_overlapped_run_learns_with_each_batch_generated_a_step_ahead(tmp_pat
 
 
 @pytest.mark.slow
-def test_without_overlap_the_engine_process_generates_each_batch_in_turn(tmp_path):
-    """generation.engine_process: true with overlap off (bench_overlap's `process` arm: the engine process's own
-    generation speed, nothing beside it): every step generates now, and its time in the engine process is logged."""
+def test_without_overlap_two_engine_processes_generate_each_batch_in_turn(tmp_path):
+    """generation.engine_process: true with overlap off (bench_overlap's `process-2e` arm: the engine processes' own
+    generation speed, nothing beside them), two engine processes per rank each generating half of every batch: every
+    step generates now, and its time in the engine processes is logged."""
     run_dir = tmp_path / "run"
     proc = start(
         run_dir, "quickstart", *DDP, *("--set", "generation.engine_process=true", "--set", "trainer.max_steps=4"),
+        *("--set", "generation.engine_processes=2"),
         *("--set", "rewards=[{name: digit_share, processes: 2}]"),  # and the reward scored on 2 processes per rank
     )  # fmt: skip
     out, _ = proc.communicate(timeout=HANG_GUARD_S)
@@ -184,10 +187,11 @@ def test_without_overlap_the_engine_process_generates_each_batch_in_turn(tmp_pat
     assert (run_dir / "train.log").read_text().count("rewards[0].name digit_share: scored on 2 processes") == 2
     assert all(0 <= r["rewards/digit_share/mean"] <= 1 for r in steps) and any(r["reward"] > 0 for r in steps)
     assert all(0 < r["engine_process/generate_s"] <= r["time/generate_s"] for r in steps)  # within the phase
-    assert (run_dir / "train.log").read_text().count("(transformers) ready; staging buffer") == 2
-    # what benchmarks/bench_overlap.py reads of such a run (its `process` arm)
+    ready = [line for line in (run_dir / "train.log").read_text().splitlines() if "ready; staging buffer" in line]
+    assert len(ready) == 2 and all(re.search(r"engine processes \d+, \d+ \(transformers\) ready", x) for x in ready)
+    # what benchmarks/bench_overlap.py reads of such a run (its `process-2e` arm)
     started = json.loads((run_dir / "timeline" / "rank0.jsonl").read_text().splitlines()[0])["t0"]
-    f = import_benchmark("bench_overlap").figures("process", run_dir, started=started)
+    f = import_benchmark("bench_overlap").figures("process-2e", run_dir, started=started)
     assert f["steps"] == 4 and f["s_per_step_range"][0] <= f["s_per_step"] <= f["s_per_step_range"][1]
     assert f["engine_generate_s"] > 0 and 0 < f["startup_s"] < HANG_GUARD_S  # rank 0's start to its first step
     assert f["engine_generate_steps"] == [round(r["engine_process/generate_s"], 3) for r in steps]
@@ -252,6 +256,34 @@ def test_the_memory_estimate_counts_the_engine_process():
     mp = on_h200(QWEN05, *overlap, "generation.vllm_multiprocessing=true")
     beside = estimate(mp, H200_GIB).terms["engine process (CUDA context, staging buffer)"]
     assert beside["training"] == pytest.approx(term["training"] + CUDA_CONTEXT_GIB)  # vLLM's engine core: a third
+
+
+def test_the_memory_estimate_counts_every_engine_process():
+    """Two engine processes: a CUDA context, vLLM's weights and its allowance each, the staging buffer and one batch's
+    KV cache once; `auto` asks for the larger share (each engine process gets half of it)."""
+    from colocate_rl.memory.estimate import CUDA_CONTEXT_GIB, VLLM_ALLOWANCE_GIB, estimate
+
+    overlap = ("generation.overlap=one_step", "generation.sleep_level=0", "generation.vllm_gpu_memory_utilization=0.3")
+    one = estimate(on_h200(QWEN05, *overlap), H200_GIB)
+    two = estimate(on_h200(QWEN05, *overlap, "generation.engine_processes=2"), H200_GIB)
+    engine = "engine process (CUDA context, staging buffer)"
+    assert two.terms[engine]["training"] == pytest.approx(one.terms[engine]["training"] + CUDA_CONTEXT_GIB)
+    weights = one.terms["vLLM weights"]["generation"]
+    assert two.terms["vLLM weights"]["generation"] == pytest.approx(2 * weights)
+    assert two.need_gib == pytest.approx(one.need_gib + weights + VLLM_ALLOWANCE_GIB)
+    assert two.kv == one.kv and two.chosen > one.chosen
+    assert two.max_seqs(0.3) < one.max_seqs(0.3)  # the same share less a second copy of weights and allowance
+    assert two.peak()[1] == pytest.approx(one.peak()[1] + CUDA_CONTEXT_GIB, abs=0.01)  # the share is the recipe's
+
+
+def test_engine_processes_are_recorded_and_need_the_engine_in_its_own_process(tmp_path):
+    r = on_h200(QWEN05, "generation.overlap=one_step", "generation.sleep_level=0", "generation.engine_processes=3")
+    assert launch_of(r, tmp_path)["engine"]["processes"] == 3
+    recipe = write_recipe(tmp_path / "r.yaml", QWEN05)
+    result = cli_here("validate", recipe, "--gpus", "1", "--set", "generation.engine_processes=2")
+    assert_user_error(result, "generation.engine_processes: 2 needs the engine in its own process", one_line=True)
+    zero = cli_here("validate", recipe, "--gpus", "1", "--set", "generation.engine_processes=0")
+    assert_user_error(zero, "generation.engine_processes")
 
 
 def test_vllms_engine_core_runs_in_a_process_of_its_own_only_when_asked(tmp_path):

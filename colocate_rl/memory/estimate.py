@@ -104,7 +104,7 @@ class Estimate:
         return max(((p, self.total(p, util)) for p in MEMORY_PHASES), key=lambda x: x[1])
 
     def max_seqs(self, util: float) -> int:  # sequences of kv['tokens'] tokens the KV pool holds at this share
-        room = self.share_gib(util) - self.terms["vLLM weights"]["generation"] - VLLM_ALLOWANCE_GIB
+        room = self.share_gib(util) - sum(self.terms[t]["generation"] for t in (SHARE_TERMS[0], SHARE_TERMS[2]))
         return max(0, int(room * GIB // (self.kv["bytes_per_token"] * self.kv["tokens"])))
 
 
@@ -287,21 +287,20 @@ def _allocator_cache(terms: Terms) -> Terms:
     return {}
 
 
-def _vllm_share(g: GenerationSection, gpu_gib: float, vllm_w: float, kv_gib: float) -> _VllmShare:
-    """vLLM's share while awake (util × GPU, or weights + generation.kv_cache_memory + allowance) and, asleep, the
-    residue: sleep level 1 copies vLLM's weights to CPU memory and level 2 drops them, on the GPU both leave it."""
+def _vllm_share(g: GenerationSection, gpu_gib: float, vllm_w: float, kv_gib: float, copies: int) -> _VllmShare:
+    """vLLM's share awake (util × GPU, or weights + generation.kv_cache_memory + allowance, each of its `copies`
+    with weights and allowance of its own) and asleep the residue (sleep level 1 moves weights to CPU, 2 drops them)."""
     awake = MEMORY_PHASES if not g.sleep_level else ("generation",)
-    need = vllm_w + kv_gib + VLLM_ALLOWANCE_GIB
-    kv_budget: float | None = None
-    if g.kv_cache_memory is not None:  # an absolute KV pool instead of util × GPU
-        kv_budget = parse_size(g.kv_cache_memory) / GIB
+    vllm_w, allowance = copies * vllm_w, copies * VLLM_ALLOWANCE_GIB
+    need = vllm_w + kv_gib + allowance
+    kv_budget = parse_size(g.kv_cache_memory) / GIB if g.kv_cache_memory is not None else None  # instead of util
     gib = g.vllm_gpu_memory_utilization * gpu_gib if kv_budget is None else need - kv_gib + kv_budget
-    share = (vllm_w, kv_gib, VLLM_ALLOWANCE_GIB, gib - need)
-    terms: Terms = {}
-    held_asleep: dict[str, float] = {}
+    share = (vllm_w, kv_gib, allowance, gib - need)
+    terms, held_asleep = {}, {}
     # asleep: the residue, plus the weights TRL wakes to push the trainer's before the KV cache
     for ph in MEMORY_PHASES:
-        asleep = {"vLLM sleep residue": SLEEP_RESIDUE_GIB, **({"vLLM weights": vllm_w} if ph == "weight sync" else {})}
+        asleep = {"vLLM sleep residue": copies * SLEEP_RESIDUE_GIB}
+        asleep.update({"vLLM weights": vllm_w} if ph == "weight sync" else {})
         for name, value in zip(SHARE_TERMS, share) if ph in awake else asleep.items():
             terms.setdefault(name, {})[ph] = value
         held_asleep[ph] = 0 if ph in awake else sum(asleep.values())
@@ -360,12 +359,13 @@ def _notes(
 
 
 def _engine_process(resolved: Resolved, weight_bytes: float) -> Terms:
-    """`generation.engine_process`: a second CUDA context (a third with `vllm_multiprocessing`), the push's staging
-    buffer (its largest bucket)."""
+    """`generation.engine_process`: a CUDA context per engine process (two with `vllm_multiprocessing`), the push's
+    staging buffer (its largest bucket)."""
     if not engine_in_process(resolved.recipe):
         return {}
-    staging = min(resolved.recipe.generation.weight_sync_bucket_mb * 2**20, weight_bytes)
-    contexts = (2 if resolved.recipe.generation.vllm_multiprocessing else 1) * CUDA_CONTEXT_GIB * GIB
+    g = resolved.recipe.generation
+    contexts = g.engine_processes * (2 if g.vllm_multiprocessing else 1) * CUDA_CONTEXT_GIB * GIB
+    staging = min(g.weight_sync_bucket_mb * 2**20, weight_bytes)
     return _terms(("engine process (CUDA context, staging buffer)", contexts + staging, MEMORY_PHASES))
 
 
@@ -391,9 +391,10 @@ def estimate(resolved: Resolved, gpu_gib: float, prompt_tokens: int | None = Non
     }
     terms.update(_allocator_cache(terms))
     vllm_w = 2 * n / g.tensor_parallel_size / GIB  # bf16, this rank's tensor-parallel part
-    share = _vllm_share(g, gpu_gib, vllm_w, kv["gib"])
+    copies = g.engine_processes if engine_in_process(resolved.recipe) else 1
+    share = _vllm_share(g, gpu_gib, vllm_w, kv["gib"], copies)
     fixed = {ph: sum(v.get(ph, 0.0) for v in terms.values()) + share.asleep[ph] for ph in MEMORY_PHASES}
     terms.update(share.terms)
     notes = _notes(resolved, kv, share, off_gen, prompt_tokens, state.trained) + reward_model_notes(resolved)
-    host = _host_offload(resolved, n, state, zero, off_gen, vllm_w)
+    host = _host_offload(resolved, n, state, zero, off_gen, copies * vllm_w)
     return Estimate(resolved, lay, gpu_gib, terms, fixed, share.awake, share.need, kv, notes, share.kv_budget, host)

@@ -22,6 +22,7 @@ RECIPE_KEYS = {
     "offload_trainer": "offload_trainer_during_generation",
     "check_weights": "check_weights",
     "multiprocessing": "vllm_multiprocessing",
+    "processes": "engine_processes",
 }
 # recipe keys only colocate-rl's engine honours (TRL's engine has fixed settings; it sleeps at level 0 or 2)
 ENGINE_ONLY_KEYS = tuple(key for option, key in RECIPE_KEYS.items() if option != "sleep_level")
@@ -39,6 +40,7 @@ class EngineOptions:
     offload_trainer: bool  # DeepSpeed states to CPU while vLLM generates
     check_weights: bool  # compare vLLM's tensors with the trainer's after each push
     multiprocessing: bool  # engine process only: vLLM's engine core in a process of its own
+    processes: int  # engine process only: how many engine processes share each generation batch
 
     @classmethod
     def from_generation(cls, gen: GenerationSection) -> EngineOptions:
@@ -55,6 +57,7 @@ class EngineOptions:
             offload_trainer=gen.offload_trainer_during_generation,
             check_weights=gen.check_weights,
             multiprocessing=gen.vllm_multiprocessing,
+            processes=gen.engine_processes,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -63,7 +66,8 @@ class EngineOptions:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EngineOptions:
         """Raises ValueError on unknown or missing options (a launch.json of another colocate-rl version)."""
-        data = {"multiprocessing": False, **data}  # written before it existed: vLLM's engine core ran in-process
+        # written before they existed: vLLM's engine core ran in-process, one engine process
+        data = {"multiprocessing": False, "processes": 1, **data}
         names = {f.name for f in fields(cls)}
         if set(data) != names:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""`generation.overlap`, `generation.engine_process` and `generation.vllm_multiprocessing`: what rules one-step
+"""`generation.overlap`, `generation.engine_process`, `vllm_multiprocessing` and `engine_processes`: what rules one-step
 overlap out, what explicit settings cannot run together, and what `overlap: auto` decides once the sleep level is
 known. Torch-free; reads nothing."""
 
@@ -69,6 +69,11 @@ def check_overlap(recipe: Recipe, backend: str) -> list[str]:
             "generation.vllm_multiprocessing: true needs vLLM generating in an engine process of its own (vLLM in "
             "the rank's process shares that process with the trainer); set generation.engine_process: true, or "
             "generation.vllm_multiprocessing: false"
+        )
+    if gen.engine_processes > 1 and not engine_in_process(recipe):
+        problems.append(
+            f"generation.engine_processes: {gen.engine_processes} needs the engine in its own process; set "
+            "generation.engine_process: true (or generation.overlap: one_step), or generation.engine_processes: 1"
         )
     return problems
 

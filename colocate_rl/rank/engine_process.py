@@ -1,14 +1,15 @@
 """A generation engine in a process of its own on the rank's device (`generation.engine_process`), so that the
 trainer can train while it generates (`generation.overlap`).
 
-The rank holds a `ProcessEngine`; a child process (spawned, one per rank, ended with the rank) runs
-`colocate_rl.rank.engine_server.serve`, which holds the real engine: colocate-rl's vLLM engine with a world of its
-own on a GPU, or transformers with its own copy of the model without vLLM. They talk over one pipe, one command at a time, each
-answer tagged with its command's id: `submit` sends a generation and returns at once, `Pending.result()` waits.
+The rank holds a `ProcessEngine`; a child process (spawned, ended with the rank; `generation.engine_processes` of
+them, each generating its part of every batch) runs `colocate_rl.rank.engine_server.serve`, which holds the real
+engine: colocate-rl's vLLM engine with a world of its own on a GPU, or transformers with its own copy of the model
+without vLLM. They talk over one pipe per child, one command at a time, each answer tagged with its command's id:
+`submit` sends a generation and returns at once, `Pending.result()` waits.
 
 Weights do not pass through the host: at start the rank shares one staging buffer (the size of the largest weight
-bucket) with the child — a CUDA IPC handle on a GPU, shared memory on CPU (torch.multiprocessing) — then for each
-bucket of `weights.trainer_buckets` copies the tensors into it and has the child load them from there. The weight
+bucket) with the children — a CUDA IPC handle on a GPU, shared memory on CPU (torch.multiprocessing) — then for each
+bucket of `weights.trainer_buckets` copies the tensors into it and has each child load them from there. The weight
 check stages the trainer's tensors the same way and the child compares its own with them.
 
 What can fail: the child not starting (UserError with the child's own line), the child dying or raising
@@ -21,6 +22,7 @@ import contextlib
 import functools
 import itertools
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,145 +39,182 @@ from colocate_rl.rank.weights import (
     trainer_buckets,
 )
 
-STOP_S = 30.0  # how long `stop` waits for the engine process to exit before it terminates it
-POLL_S = 1.0  # how often a rank waiting for its engine process checks that the process is alive
+STOP_S = 30.0  # how long `stop` waits for the engine processes to exit before it terminates them
+POLL_S = 1.0  # how often a rank waiting for an engine process checks that the process is alive
+SEED_STRIDE = 2**20  # engine process k of a rank samples with the rank's seed + k × this (above any rank count)
+
+
+@dataclass
+class Child:
+    """One engine process: its pipe, its answers not yet taken, the commands whose answers nobody waits for
+    (`_send_only`), whether its weights are the last push's (or the checkpoint's, at start)."""
+
+    process: Any
+    conn: Any
+    answers: dict[int, tuple[str, Any, bool]] = field(default_factory=dict)
+    unawaited: set[int] = field(default_factory=set)
+    weights_valid: bool = True
 
 
 class ProcessEngine(GenerationEngine):
-    """The rank's side: the engine process's lifecycle, commands and weight staging."""
+    """The rank's side: the engine processes' lifecycle, commands and weight staging. With several engine processes
+    (`generation.engine_processes`) each generates its contiguous part of every batch and all of them load every
+    push from the one staging buffer."""
 
-    def __init__(self, spec: dict[str, Any], model, gather, *, bucket_bytes: int, check_weights: bool, device):
-        """`spec`: what `serve` builds (`vllm_spec` / `transformers_spec`); `model`: the trainer's (unwrapped)
-        model, whose weights are pushed; `gather(params)`: makes ZeRO-3 parameters whole."""
+    def __init__(
+        self, spec: dict[str, Any], model, gather, *, bucket_bytes: int, check_weights: bool, device, processes=1
+    ):
+        """`spec`: what `serve` builds (`vllm_spec` / `transformers_spec`), divided among `processes` engine
+        processes by `child_specs`; `model`: the trainer's (unwrapped) model, whose weights are pushed;
+        `gather(params)`: makes ZeRO-3 parameters whole."""
         self.spec, self.model, self.gather = spec, model, gather
+        self.specs = child_specs(spec, processes)
         self.bucket_bytes, self.check, self.device = bucket_bytes, check_weights, torch.device(device)
         self.returns_logprobs = spec["kind"] == "vllm"
         self.max_batch = spec.get("max_batch")
         self.max_model_len = 2**62
-        self.process = None
-        self._conn = None
+        self.children: list[Child] = []
         self._ids = itertools.count()
-        self._answers: dict[int, tuple[str, Any, bool]] = {}
-        self._unawaited: set[int] = set()  # commands whose answers nobody waits for (`_send_only`)
-        self._child_weights_valid = True  # the child's weights equal the last push (or the checkpoint, at start)
         self.last_check: list[str] = []
 
-    # ------------------------------------------------------------------ process
+    @property
+    def process(self):
+        """The first engine process (None before `start` and after `stop`)."""
+        return self.children[0].process if self.children else None
+
+    # ------------------------------------------------------------------ processes
 
     def start(self) -> None:
+        """Start the engine processes one after the other (vLLM sizes its memory from what is free as it starts)."""
         import torch.multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
-        self._conn, child_end = ctx.Pipe()
         from colocate_rl.rank.engine_server import serve
 
-        self.process = ctx.Process(target=serve, args=(child_end, self.spec), daemon=True, name="colocate-rl-engine")
-        self.process.start()
-        child_end.close()
-        try:
-            info = self._await(-1)
-        except EngineProcessError as e:
-            raise UserError(f"generation.engine_process: the engine process did not start ({e})") from None
-        self.max_model_len = int(info["max_model_len"])
+        ctx = mp.get_context("spawn")
+        infos = []
+        for spec in self.specs:
+            conn, child_end = ctx.Pipe()
+            process = ctx.Process(target=serve, args=(child_end, spec), daemon=True, name="colocate-rl-engine")
+            process.start()
+            child_end.close()
+            self.children.append(Child(process, conn))
+            try:
+                infos.append(self._await(self.children[-1], -1))
+            except EngineProcessError as e:
+                raise UserError(f"generation.engine_process: the engine process did not start ({e})") from None
+        self.max_model_len = min(int(info["max_model_len"]) for info in infos)
         named = self.merge.named_params() if self.merge is not None else self.model.named_parameters()
         size = staging_bytes(named, self.bucket_bytes)
         self.staging = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._call("stage", shared_handle(self.staging) if self.staging.is_cuda else self.staging)
+        pids = ", ".join(str(c.process.pid) for c in self.children)
         print(
-            f"[colocate-rl engine] engine process {self.process.pid} ({self.spec['kind']}) ready; staging buffer "
-            f"{size / 2**20:.1f} MiB on {self.device}",
+            f"[colocate-rl engine] engine process{'es' if len(self.children) > 1 else ''} {pids} ({self.spec['kind']}) "
+            f"ready; staging buffer {size / 2**20:.1f} MiB on {self.device}",
             flush=True,
         )
 
     def stop(self) -> None:
-        if self.process is None:
+        if not self.children:
             return
         started, how = time.perf_counter(), "stopped"
-        if self.process.is_alive():
-            with contextlib.suppress(OSError, EOFError, EngineProcessError):
-                self._conn.send(("stop", next(self._ids), None))
-            self._drain_until_exit(started + STOP_S)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=10)
-            how = "terminated"
-        if self.process.is_alive():
-            self.process.kill()
-            how = "killed"
-        print(f"[colocate-rl engine] engine process {how} in {time.perf_counter() - started:.1f} s", flush=True)
-        self.process = None
+        for child in self.children:
+            if child.process.is_alive():
+                with contextlib.suppress(OSError, EOFError):
+                    child.conn.send(("stop", next(self._ids), None))
+        for child in self.children:
+            self._drain_until_exit(child, started + STOP_S)
+        for child in self.children:
+            if child.process.is_alive():
+                child.process.terminate()
+                child.process.join(timeout=10)
+                how = "terminated"
+            if child.process.is_alive():
+                child.process.kill()
+                how = "killed"
+        plural = "es" if len(self.children) > 1 else ""
+        print(f"[colocate-rl engine] engine process{plural} {how} in {time.perf_counter() - started:.1f} s", flush=True)
+        self.children = []
 
-    def _drain_until_exit(self, deadline: float) -> None:
+    @staticmethod
+    def _drain_until_exit(child: Child, deadline: float) -> None:
         """Read and drop the answers nobody waits for any more (a generation taken ahead for a step that will not
         run) until the process exits: one bigger than the pipe's buffer would block the process's send, and its
         exit, forever (found on the H200: every overlapped run's stop waited out its 30 s)."""
-        while self.process.is_alive() and time.perf_counter() < deadline:
+        while child.process.is_alive() and time.perf_counter() < deadline:
             try:
-                if self._conn.poll(0.05):
-                    self._conn.recv()
+                if child.conn.poll(0.05):
+                    child.conn.recv()
             except (EOFError, OSError):
-                self.process.join(timeout=max(0.0, deadline - time.perf_counter()))
+                child.process.join(timeout=max(0.0, deadline - time.perf_counter()))
                 return
 
-    def _died(self) -> EngineProcessError:
-        if self.process is not None:
-            self.process.join(timeout=10)  # reap it: its exit code is known only then (the pipe may close first)
-        code = self.process.exitcode if self.process is not None else None
+    @staticmethod
+    def _died(child: Child) -> EngineProcessError:
+        child.process.join(timeout=10)  # reap it: its exit code is known only then (the pipe may close first)
+        code = child.process.exitcode
         return EngineProcessError(
-            f"the generation engine process (pid {getattr(self.process, 'pid', '?')}) ended"
+            f"the generation engine process (pid {child.process.pid}) ended"
             + (f" with exit code {code}" if code is not None else "")
             + "; its error is above in this log"
         )
 
-    def _receive(self) -> None:
-        while not self._conn.poll(POLL_S):
-            if not self.process.is_alive() and not self._conn.poll(0):
-                raise self._died()
+    def _receive(self, child: Child) -> None:
+        while not child.conn.poll(POLL_S):
+            if not child.process.is_alive() and not child.conn.poll(0):
+                raise self._died(child)
         try:
-            ident, status, value, valid = self._conn.recv()
+            ident, status, value, valid = child.conn.recv()
         except (EOFError, OSError):
-            raise self._died() from None
-        if ident in self._unawaited:
-            self._unawaited.discard(ident)
-            self._check_answer(status, value, valid)
+            raise self._died(child) from None
+        if ident in child.unawaited:
+            child.unawaited.discard(ident)
+            self._check_answer(child, status, value, valid)
         else:
-            self._answers[ident] = (status, value, valid)
+            child.answers[ident] = (status, value, valid)
 
-    def _check_answer(self, status: str, value: Any, valid: bool) -> None:
+    @staticmethod
+    def _check_answer(child: Child, status: str, value: Any, valid: bool) -> None:
         if status == "error":
             raise EngineProcessError(f"the generation engine process failed: {value}")
-        self._child_weights_valid = valid
+        child.weights_valid = valid
 
-    def _await(self, ident: int) -> Any:
-        while ident not in self._answers:
-            self._receive()
-        status, value, valid = self._answers.pop(ident)
-        self._check_answer(status, value, valid)
+    def _await(self, child: Child, ident: int) -> Any:
+        while ident not in child.answers:
+            self._receive(child)
+        status, value, valid = child.answers.pop(ident)
+        self._check_answer(child, status, value, valid)
         return value
 
-    def _send(self, op: str, args: Any = None) -> int:
+    def _send(self, child: Child, op: str, args: Any = None) -> int:
         ident = next(self._ids)
         try:
-            self._conn.send((op, ident, args))
+            child.conn.send((op, ident, args))
         except (OSError, EOFError):
-            raise self._died() from None
+            raise self._died(child) from None
         return ident
 
-    def _call(self, op: str, args: Any = None) -> Any:
-        return self._await(self._send(op, args))
+    def _call(self, op: str, args: Any = None) -> list[Any]:
+        """`op` on every engine process at once; their answers, in order, once all have answered."""
+        idents = [self._send(child, op, args) for child in self.children]
+        return [self._await(child, ident) for child, ident in zip(self.children, idents)]
 
     def _send_only(self, op: str) -> None:
-        """A command not waited for: its answer would queue behind a generation in flight (overlap's next batch);
-        an error in it is raised at the next wait."""
-        self._unawaited.add(self._send(op))
+        """A command not waited for, to every engine process: its answer would queue behind a generation in flight
+        (overlap's next batch); an error in it is raised at the next wait."""
+        for child in self.children:
+            child.unawaited.add(self._send(child, op))
 
     # ------------------------------------------------------------------ the interface
 
     def submit(self, prompt_ids: list[list[int]], sampling: Sampling) -> Pending:
-        if not self._child_weights_valid:
+        """Each engine process gets its contiguous part of `prompt_ids` (a prompt's copies stay together where the
+        split allows: vLLM reuses their prefix); the result joins the parts in order."""
+        if not all(child.weights_valid for child in self.children):
             self.push_weights()  # sleep level 2 dropped them after the last generation
-        ident = self._send("generate", (prompt_ids, sampling))
-        return Pending(lambda: self._await(ident))
+        parts = [(child, part) for child, part in zip(self.children, split(prompt_ids, len(self.children))) if part]
+        idents = [(child, self._send(child, "generate", (part, sampling))) for child, part in parts]
+        return Pending(lambda: joined([self._await(child, ident) for child, ident in idents]))
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
         return self.submit(prompt_ids, sampling).result()
@@ -186,7 +225,7 @@ class ProcessEngine(GenerationEngine):
         return adapter_merge(self.model)
 
     def push_weights(self) -> None:
-        """Stage the trainer's weights bucket by bucket and have the child load each; then check them."""
+        """Stage the trainer's weights bucket by bucket and have every engine process load each; then check them."""
         with self.phase("weight_sync"):
             self._call("begin_push")
             for bucket in trainer_buckets(self.model, self.bucket_bytes, self.gather, self.merge):
@@ -203,7 +242,8 @@ class ProcessEngine(GenerationEngine):
         self.last_check = list(expected)
         problems = []
         for group in fitting(list(expected.items()), self.staging.numel()):
-            problems += self._call("check", stage(self.staging, group))
+            for k, found in enumerate(self._call("check", stage(self.staging, group))):
+                problems += [f"engine process {k}: {p}" for p in found] if len(self.children) > 1 else found
         raise_if_stale(problems)
 
     def sleep(self) -> None:
@@ -245,6 +285,7 @@ def process_engine(trainer, launch, options, run_dir, seed: int) -> ProcessEngin
         bucket_bytes=options.bucket_bytes,
         check_weights=options.check_weights,
         device=accelerator.device,
+        processes=options.processes,
     )
 
 
@@ -278,3 +319,45 @@ def transformers_spec(trainer, dtype: str, seed: int) -> dict[str, Any]:
         "max_batch": args.per_device_train_batch_size * args.steps_per_generation,
         "seed": (seed + trainer.accelerator.process_index) % 2**32,
     }
+
+
+def child_specs(spec: dict[str, Any], processes: int) -> list[dict[str, Any]]:
+    """The spec of each of `processes` engine processes sharing a rank's batches: its own seed and, for vLLM, its
+    part of the memory share, of the KV budget and of the concurrent sequences (the plan's share counts every
+    engine process's weights: `memory.estimate`)."""
+    specs = []
+    for k in range(processes):
+        child = {**spec, "seed": (spec["seed"] + k * SEED_STRIDE) % 2**32}
+        if spec["kind"] == "vllm" and processes > 1:
+            args, options = dict(spec["llm_args"]), dict(spec["options"])
+            if "gpu_memory_utilization" in args:
+                args["gpu_memory_utilization"] = args["gpu_memory_utilization"] / processes
+            for held in (args, options):
+                if held.get("max_num_seqs"):
+                    held["max_num_seqs"] = -(-held["max_num_seqs"] // processes)
+            if options.get("kv_cache_memory_bytes"):
+                options["kv_cache_memory_bytes"] = options["kv_cache_memory_bytes"] // processes
+            child.update(llm_args=args, options=options)
+        specs.append(child)
+    return specs
+
+
+def split(items: list, parts: int) -> list[list]:
+    """`items` in `parts` contiguous parts, in order, their sizes differing by at most one (the first ones larger)."""
+    size, extra = divmod(len(items), parts)
+    bounds = [k * size + min(k, extra) for k in range(parts + 1)]
+    return [items[bounds[k] : bounds[k + 1]] for k in range(parts)]
+
+
+def joined(parts: list[Generation]) -> Generation:
+    """The generations of one batch's parts, in order, as one: `engine_usage` the batch's (its wall time the
+    slowest part's; CPU seconds and preemptions summed over the engine processes)."""
+    if len(parts) == 1:
+        return parts[0]
+    ids = [c for part in parts for c in part.completion_ids]
+    logprobs = None if any(p.logprobs is None for p in parts) else [lp for part in parts for lp in part.logprobs]
+    usages = [p.engine_usage for p in parts if p.engine_usage is not None]
+    usage = None
+    if usages:
+        usage = {key: (max if key == "generate_s" else sum)(u[key] for u in usages) for key in usages[0]}
+    return Generation(ids, logprobs, usage)

@@ -109,3 +109,9 @@ class GenerationSection(BaseModel):
         "(vLLM's V1 multiprocessing). Off by default: beside training it generated slower on an H200 "
         "(docs/benchmarks, invocation H).",
     )
+    engine_processes: Count = Field(
+        1,
+        description="With the engine in its own process: how many engine processes per rank share each generation "
+        "batch (each with its own copy of the weights and its part of the KV cache). On a small model vLLM's "
+        "loop keeps one CPU core busy while the GPU waits; more processes run more loops at once.",
+    )
