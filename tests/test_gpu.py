@@ -9,6 +9,7 @@ the step peak, from the driver's view) in `gpu_runs.jsonl`.
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -895,3 +896,37 @@ def test_overlap_on_the_real_model_generates_a_step_ahead_through_the_engine_pro
             assert "engine core runs in process" not in log  # vllm_multiprocessing: false (the default)
     print(json.dumps(figures))
     (Path(os.environ.get("GPU_FIGURES", tmp_path)) / "overlap.json").write_text(json.dumps(figures))
+
+
+@pytest.mark.skipif(not (REAL_MODEL and REAL_DATA), reason="needs REAL_MODEL_DIR and REAL_DATA_DIR")
+def test_two_vllm_engine_processes_per_rank_share_each_overlapped_batch(tmp_path):
+    """recipes/smollm2-135m-gsm8k.yaml at 256 completions per step with overlap and `generation.engine_processes: 2`:
+    two vLLM engine processes on the rank's GPU, each with half of the share, each generating half of every batch,
+    both loaded from the one CUDA IPC staging buffer and both checked after every push. Prints the figures."""
+    from colocate_rl.rundir import step_records
+
+    steps = 6
+    run = tmp_path / "run"
+    args = ["train", "recipes/smollm2-135m-gsm8k.yaml", "--run-dir", str(run)]
+    for item in (
+        f"model.name={REAL_MODEL}", f"data.source={REAL_DATA}/gsm_symbolic_train.jsonl", "eval.every_steps=null",
+        "trainer.gradient_accumulation_steps=8", f"trainer.max_steps={steps}", "generation.overlap=one_step",
+        "generation.engine_processes=2", "output.save_model=false",
+    ):  # fmt: skip
+        args += ["--set", item]
+    result = cli(args, ONE)
+    log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
+    assert result.returncode == 0, result.stdout[-3000:] + log[-8000:]
+    rows = step_records(run)
+    assert len(rows) == steps and [r["overlap/ahead"] for r in rows] == [0.0] + [1.0] * (steps - 1)
+    assert all(r.get("time/weight_check_s", 0) > 0 for r in rows)
+    assert re.search(r"engine processes \d+, \d+ \(vllm\) ready", log), log[-3000:]
+    assert log.count("vLLM awake") == 2  # one vLLM engine in each engine process
+    figures = {
+        "s_per_step_median": round(statistics.median(r["time/step_s"] for r in rows[2:]), 4),
+        "engine_generate_s": [round(r["engine_process/generate_s"], 3) for r in rows],
+        "engine_cpu_s": [round(r["engine_process/cpu_s"], 3) for r in rows],
+        "gpu_peak_gib_max": max(r["mem/gpu_peak_gib"] for r in rows),
+    }
+    print(json.dumps(figures))
+    (Path(os.environ.get("GPU_FIGURES", tmp_path)) / "engine_processes.json").write_text(json.dumps(figures))
