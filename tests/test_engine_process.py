@@ -245,6 +245,7 @@ def test_two_engine_processes_generate_what_the_rank_would_take_every_push_and_e
         pids = [c.process.pid for c in eng.children]
         assert len(set(pids)) == 2 and os.getpid() not in pids
         out = eng.generate(PROMPTS, GREEDY)  # 2 prompts to the first, 1 to the second
+        assert eng.generate([], GREEDY).completion_ids == []
         assert out.completion_ids == here(model)
         assert out.engine_usage["generate_s"] > 0 and out.engine_usage["cpu_s"] > 0
         with torch.no_grad():

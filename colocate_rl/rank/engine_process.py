@@ -210,6 +210,8 @@ class ProcessEngine(GenerationEngine):
     def submit(self, prompt_ids: list[list[int]], sampling: Sampling) -> Pending:
         """Each engine process gets its contiguous part of `prompt_ids` (a prompt's copies stay together where the
         split allows: vLLM reuses their prefix); the result joins the parts in order."""
+        if not prompt_ids:
+            return Pending(lambda: Generation([], [] if self.returns_logprobs else None))
         if not all(child.weights_valid for child in self.children):
             self.push_weights()  # sleep level 2 dropped them after the last generation
         parts = [(child, part) for child, part in zip(self.children, split(prompt_ids, len(self.children))) if part]
