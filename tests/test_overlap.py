@@ -274,6 +274,13 @@ def test_the_memory_estimate_counts_every_engine_process():
     assert two.kv == one.kv and two.chosen > one.chosen
     assert two.max_seqs(0.3) < one.max_seqs(0.3)  # the same share less a second copy of weights and allowance
     assert two.peak()[1] == pytest.approx(one.peak()[1] + CUDA_CONTEXT_GIB, abs=0.01)  # the share is the recipe's
+    from colocate_rl.memory.autolayout import choose_share
+
+    auto_one = choose_share(on_h200(QWEN05, *overlap), H200_GIB)
+    auto_two = choose_share(on_h200(QWEN05, *overlap, "generation.engine_processes=2"), H200_GIB)
+    assert auto_two.share == two.chosen > auto_one.share == one.chosen
+    assert "2 engine processes' vLLM weights and allowances" in auto_two.reason
+    assert "vLLM's weights" in auto_one.reason and "engine processes" not in auto_one.reason
 
 
 def test_engine_processes_are_recorded_and_need_the_engine_in_its_own_process(tmp_path):

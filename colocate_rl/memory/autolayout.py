@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from colocate_rl.errors import UserError
 from colocate_rl.plan.choices import Candidate, LayoutChoice, ShareChoice, SleepChoice, Tried
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deepspeed_config, load_base_config
+from colocate_rl.plan.overlap import engine_in_process
 from colocate_rl.recipe.generation import GenerationSection
 
 if TYPE_CHECKING:
@@ -216,10 +217,15 @@ def choose_share(resolved: Resolved, gpu_gib: float | None) -> ShareChoice:
         e = estimate(resolved, gpu_gib)
     except UserError as err:  # unknown layout: no estimate possible
         return ShareChoice(DEFAULT_SHARE, f"no estimate ({err.lines[0]}): the default")
+    n = resolved.recipe.generation.engine_processes if engine_in_process(resolved.recipe) else 1
+    kv = f"one generation batch's KV cache ({e.kv['gib']:.2f} GiB)"
+    held = (
+        f"vLLM's weights, {kv} and its allowance"
+        if n == 1
+        else f"{n} engine processes' vLLM weights and allowances, {kv}"
+    )
     return ShareChoice(
-        e.chosen,
-        f"vLLM's weights, one generation batch's KV cache ({e.kv['gib']:.2f} GiB) and its allowance = "
-        f"{e.need_gib:.2f} GiB ({e.lower:.3f} of {gpu_gib:.1f} GiB) + {SHARE_MARGIN:.0%} of the GPU",
+        e.chosen, f"{held} = {e.need_gib:.2f} GiB ({e.lower:.3f} of {gpu_gib:.1f} GiB) + {SHARE_MARGIN:.0%} of the GPU"
     )
 
 
