@@ -209,12 +209,14 @@ def test_a_batch_is_split_in_order_among_the_engine_processes_and_joined_back():
     assert P.split(list(range(8)), 1) == [list(range(8))]
     a = Generation([[1, 2], [3]], [[-0.1, -0.2], [-0.3]], {"generate_s": 2.0, "cpu_s": 2.1, "preempted": 3})
     b = Generation([[4]], [[-0.4]], {"generate_s": 1.5, "cpu_s": 1.6, "preempted": 5})
-    both = P.joined([a, b])
+    both = Generation.joined([a, b], at_once=True)
     assert both.completion_ids == [[1, 2], [3], [4]] and both.logprobs == [[-0.1, -0.2], [-0.3], [-0.4]]
     # the batch took as long as its slowest part; CPU seconds and preemptions add up over the processes
     assert both.engine_usage == {"generate_s": 2.0, "cpu_s": pytest.approx(3.7), "preempted": 8}
-    assert P.joined([a, Generation([[4]])]).logprobs is None  # a part without logprobs: none for the batch
-    assert P.joined([a]) is a
+    assert (
+        Generation.joined([a, Generation([[4]])], at_once=True).logprobs is None
+    )  # a part without logprobs: none for the batch
+    assert Generation.joined([a], at_once=True) is a
 
 
 def test_each_engine_process_gets_its_own_seed_and_its_part_of_vllms_memory():

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from colocate_rl.errors import UserError
 from colocate_rl.plan.choices import Candidate, LayoutChoice, ShareChoice, SleepChoice, Tried
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deepspeed_config, load_base_config
-from colocate_rl.plan.overlap import engine_in_process
+from colocate_rl.plan.overlap import engine_copies
 from colocate_rl.recipe.generation import GenerationSection
 
 if TYPE_CHECKING:
@@ -217,7 +217,7 @@ def choose_share(resolved: Resolved, gpu_gib: float | None) -> ShareChoice:
         e = estimate(resolved, gpu_gib)
     except UserError as err:  # unknown layout: no estimate possible
         return ShareChoice(DEFAULT_SHARE, f"no estimate ({err.lines[0]}): the default")
-    n = resolved.recipe.generation.engine_processes if engine_in_process(resolved.recipe) else 1
+    n = engine_copies(resolved.recipe)
     kv = f"one generation batch's KV cache ({e.kv['gib']:.2f} GiB)"
     held = (
         f"vLLM's weights, {kv} and its allowance"

@@ -16,7 +16,7 @@ from colocate_rl.memory.allowance import training_allowance
 from colocate_rl.memory.reward_models import reward_model_bytes, reward_model_notes
 from colocate_rl.memory.shapes import Layout, layout_for, lora_params
 from colocate_rl.plan.deepspeed import ZeroLayout
-from colocate_rl.plan.overlap import engine_in_process
+from colocate_rl.plan.overlap import engine_copies, engine_in_process
 from colocate_rl.recipe.values import parse_size
 
 if TYPE_CHECKING:
@@ -364,7 +364,7 @@ def _engine_process(resolved: Resolved, weight_bytes: float) -> Terms:
     if not engine_in_process(resolved.recipe):
         return {}
     g = resolved.recipe.generation
-    contexts = g.engine_processes * (2 if g.vllm_multiprocessing else 1) * CUDA_CONTEXT_GIB * GIB
+    contexts = engine_copies(resolved.recipe) * (2 if g.vllm_multiprocessing else 1) * CUDA_CONTEXT_GIB * GIB
     staging = min(g.weight_sync_bucket_mb * 2**20, weight_bytes)
     return _terms(("engine process (CUDA context, staging buffer)", contexts + staging, MEMORY_PHASES))
 
@@ -391,7 +391,7 @@ def estimate(resolved: Resolved, gpu_gib: float, prompt_tokens: int | None = Non
     }
     terms.update(_allocator_cache(terms))
     vllm_w = 2 * n / g.tensor_parallel_size / GIB  # bf16, this rank's tensor-parallel part
-    copies = g.engine_processes if engine_in_process(resolved.recipe) else 1
+    copies = engine_copies(resolved.recipe)
     share = _vllm_share(g, gpu_gib, vllm_w, kv["gib"], copies)
     fixed = {ph: sum(v.get(ph, 0.0) for v in terms.values()) + share.asleep[ph] for ph in MEMORY_PHASES}
     terms.update(share.terms)

@@ -104,3 +104,9 @@ def engine_in_process(recipe: Recipe) -> bool:
     """Whether the engine runs in its own process: `engine_process` true, or auto with overlap on."""
     gen = recipe.generation
     return gen.engine_process is True or (gen.engine_process == "auto" and gen.overlap == "one_step")
+
+
+def engine_copies(recipe: Recipe) -> int:
+    """How many engine processes each rank runs (`generation.engine_processes` with the engine in its own process;
+    else 1, the engine in the rank)."""
+    return recipe.generation.engine_processes if engine_in_process(recipe) else 1

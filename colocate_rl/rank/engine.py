@@ -72,6 +72,21 @@ class Generation:
     # all threads (CUDA's spin-waits count); `preempted` how often the OS took its CPU for another runnable thread
     engine_usage: dict[str, float] | None = None
 
+    @staticmethod
+    def joined(parts: list[Generation], at_once: bool) -> Generation:
+        """The generations of one batch's parts (at least one), in order, as one; no logprobs if a part has none.
+        `engine_usage` is summed over the parts, but for parts generated `at_once` (by engine processes side by side)
+        its `generate_s` is the slowest part's."""
+        if len(parts) == 1:
+            return parts[0]
+        ids = [c for part in parts for c in part.completion_ids]
+        logprobs = None if any(p.logprobs is None for p in parts) else [lp for part in parts for lp in part.logprobs]
+        usages = [p.engine_usage for p in parts if p.engine_usage is not None]
+        usage = None
+        if usages:
+            usage = {k: (max if at_once and k == "generate_s" else sum)(u[k] for u in usages) for k in usages[0]}
+        return Generation(ids, logprobs, usage)
+
     def placed(self, at: list[int], n: int) -> Generation:
         """This generation's completions (one per prompt of `at`) at those positions of `n` prompts, no completion
         at the others (prompts left out of the call)."""

@@ -216,7 +216,7 @@ class ProcessEngine(GenerationEngine):
             self.push_weights()  # sleep level 2 dropped them after the last generation
         parts = [(child, part) for child, part in zip(self.children, split(prompt_ids, len(self.children))) if part]
         idents = [(child, self._send(child, "generate", (part, sampling))) for child, part in parts]
-        return Pending(lambda: joined([self._await(child, ident) for child, ident in idents]))
+        return Pending(lambda: Generation.joined([self._await(child, ident) for child, ident in idents], at_once=True))
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
         return self.submit(prompt_ids, sampling).result()
@@ -349,17 +349,3 @@ def split(items: list, parts: int) -> list[list]:
     size, extra = divmod(len(items), parts)
     bounds = [k * size + min(k, extra) for k in range(parts + 1)]
     return [items[bounds[k] : bounds[k + 1]] for k in range(parts)]
-
-
-def joined(parts: list[Generation]) -> Generation:
-    """The generations of one batch's parts, in order, as one: `engine_usage` the batch's (its wall time the
-    slowest part's; CPU seconds and preemptions summed over the engine processes)."""
-    if len(parts) == 1:
-        return parts[0]
-    ids = [c for part in parts for c in part.completion_ids]
-    logprobs = None if any(p.logprobs is None for p in parts) else [lp for part in parts for lp in part.logprobs]
-    usages = [p.engine_usage for p in parts if p.engine_usage is not None]
-    usage = None
-    if usages:
-        usage = {key: (max if key == "generate_s" else sum)(u[key] for u in usages) for key in usages[0]}
-    return Generation(ids, logprobs, usage)

@@ -163,15 +163,10 @@ class _EngineHooks:
             return self._overlapped(prompt_ids, sampling)
         with self.phase("generate"):
             self._push_if_stale()
-            out = Generation([], [] if self.engine.returns_logprobs else None)
             step = self.engine.max_batch or max(len(prompt_ids), 1)
-            for i in range(0, len(prompt_ids), step):
-                part = self.engine.generate(prompt_ids[i : i + step], sampling)
-                out.completion_ids += part.completion_ids
-                out.logprobs = None if out.logprobs is None or part.logprobs is None else out.logprobs + part.logprobs
-                if part.engine_usage is not None:
-                    total = out.engine_usage or {}
-                    out.engine_usage = {k: total.get(k, 0) + v for k, v in part.engine_usage.items()}
+            parts = [self.engine.generate(prompt_ids[i : i + step], sampling) for i in range(0, len(prompt_ids), step)]
+            empty = Generation([], [] if self.engine.returns_logprobs else None)
+            out = Generation.joined(parts, at_once=False) if parts else empty
             self._log_engine_usage(out)
             return out
 
