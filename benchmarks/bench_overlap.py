@@ -4,8 +4,10 @@ colocate-rl without (`off`; `process`: without, the engine in its own process, f
 `overlap-mps`: with, under a CUDA MPS daemon of its own, so that the two processes' kernels can run at once;
 `overlap-mp`: with, vLLM's engine core in a process of its own beside the engine process; `overlap-plain`: with,
 the trainer without DeepSpeed, fp32 weights under bf16 autocast; `overlap-omp1`: with, every process of the run at
-one torch CPU thread, as vLLM sets its own multiprocess workers against CPU contention; `process-2e`, `overlap-2e`:
-`process` and `overlap` with two engine processes, each generating half of every batch; `process-4e` with four),
+one torch CPU thread, as vLLM sets its own multiprocess workers against CPU contention; `process` and `overlap`
+run as many engine processes as `generation.engine_processes: auto` chooses (two for SmolLM2-135M since 2026-12-04,
+one before), `process-1e`, `overlap-1e` one, `process-2e`, `overlap-2e` two (each generating half of every batch),
+`process-4e` four),
 and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-batch set by hand: `trl` at share 0.3,
 `trl-lean` at the share one batch needs with the larger micro-batch), in the order given (default A-B-C-A-B-C), on
 256 completions per step of recipes/smollm2-135m-gsm8k.yaml's task.
@@ -46,13 +48,15 @@ sys.path.insert(0, str(ROOT))
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
 # process: no overlap, the engine in its own process; overlap-mps: overlap with a CUDA MPS daemon of its own (`Mps`)
 ARMS = ("overlap", "off", "process", "trl", "trl-lean", "overlap-mps", "overlap-mp", "overlap-plain", "overlap-omp1",
-        "process-2e", "process-4e", "overlap-2e")  # fmt: skip
+        "process-1e", "process-2e", "process-4e", "overlap-1e", "overlap-2e")  # fmt: skip
 ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry says why)
     "process": ["generation.engine_process=true"],
     "overlap-mp": ["generation.vllm_multiprocessing=true"],
     "overlap-plain": ["distributed.zero_stage=null", "model.dtype=float32"],  # no DeepSpeed, fp32 master weights
+    "process-1e": ["generation.engine_process=true", "generation.engine_processes=1"],
     "process-2e": ["generation.engine_process=true", "generation.engine_processes=2"],
     "process-4e": ["generation.engine_process=true", "generation.engine_processes=4"],
+    "overlap-1e": ["generation.engine_processes=1"],
     "overlap-2e": ["generation.engine_processes=2"],
 }
 ARM_ENV = {"overlap-omp1": {"OMP_NUM_THREADS": "1"}}  # the plan leaves a variable the user set alone

@@ -46,9 +46,9 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
     that fits, estimated with vLLM asleep), `generation.sleep_level` for it (0 when trainer and vLLM fit together,
     else 2), then `trainer.micro_batch_size` (the largest that fits; none to choose when the step is one micro-batch;
     level 2 instead of 0 where the step-time forecast says a larger micro-batch asleep is faster);
-    `generation.overlap: auto` after the sleep level (one_step when vLLM stays awake and nothing rules it out;
-    one_step itself makes `sleep_level: auto` 0); the resolved recipe holds the share, sleep level, overlap and
-    micro-batch chosen, `recorded_recipe()` every value. Raise one UserError listing every problem."""
+    `engine_processes: auto` before the share (which holds every copy); `overlap: auto` after the sleep level
+    (one_step when vLLM stays awake and nothing rules it out; one_step itself makes `sleep_level: auto` 0); the
+    resolved recipe holds what was chosen, `recorded_recipe()` every value. Raise one UserError listing every problem."""
     from colocate_rl.memory import autolayout as al
     from colocate_rl.memory.micro_batch import choose_micro_batch_and_sleep, with_micro_batch
     from colocate_rl.plan.overlap import choose_overlap
@@ -64,6 +64,7 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
         recipe = al.with_share(recipe, al.DEFAULT_SHARE)
     resolved = bind_to_host(recipe, host, pre)
     gpu_gib = min(g.memory_gib for g in host.gpus) if host.gpus else None
+    resolved = al.with_engine_processes(resolved, auto_share)  # before the share, which holds every copy
     if auto_share:  # first: the layout, sleep level and micro-batch are chosen for what the trainer has left
         share = al.choose_share(resolved, gpu_gib)
         resolved = replace(resolved, recipe=al.with_share(resolved.recipe, share.share), share_choice=share)
@@ -276,6 +277,7 @@ def _earlier_version_values(recipe: Recipe, spec: LaunchSpec, deepspeed: dict[st
         "trainer.gradient_checkpointing": bool(args.get("gradient_checkpointing")),
         "distributed.zero_stage": zero.stage,
         "generation.engine_process": spec.engine_process,  # False before it existed
+        "generation.engine_processes": spec.engine.processes if spec.engine is not None else 1,  # 1 before it existed
     }
     out = {key: value for key, value in known.items() if key in auto_keys(recipe)}
     if "distributed.zero_stage" in out:

@@ -110,13 +110,16 @@ def test_the_plain_arm_is_the_overlap_run_without_deepspeed_and_with_fp32_weight
     assert overlap.model_copy(update={"distributed": plain.distributed, "model": plain.model}) == plain
 
 
-def test_the_2e_and_4e_arms_are_their_runs_with_several_engine_processes(tmp_path):
+def test_the_1e_2e_and_4e_arms_are_their_runs_with_that_many_engine_processes(tmp_path):
+    """The base arms leave the count to `engine_processes: auto`; an -Ne arm is its base run with N set."""
+
     def recipe(arm):
         return recipe_of(B.command(arm, "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / arm, 12, []))
 
-    for one, several, n in (("overlap", "overlap-2e", 2), ("process", "process-2e", 2), ("process", "process-4e", 4)):
+    for one, several, n in (("overlap", "overlap-1e", 1), ("overlap", "overlap-2e", 2), ("process", "process-1e", 1),
+                            ("process", "process-2e", 2), ("process", "process-4e", 4)):  # fmt: skip
         base, arm = recipe(one), recipe(several)
-        assert (base.generation.engine_processes, arm.generation.engine_processes) == (1, n)
+        assert (base.generation.engine_processes, arm.generation.engine_processes) == ("auto", n)
         assert arm.generation == base.generation.model_copy(update={"engine_processes": n})
         assert arm.model_copy(update={"generation": base.generation, "output": base.output}) == base
 

@@ -47,7 +47,11 @@ def launch_of(r, tmp_path) -> dict:
 def test_auto_overlaps_where_trainer_and_vllm_fit_awake(tmp_path):
     r = on_h200(QWEN05, "generation.overlap=auto", "generation.sleep_level=auto")
     assert r.recipe.generation.sleep_level == 0 and r.recipe.generation.overlap == "one_step"
-    assert r.overlap_choice.on and r.choice_lines()[-1].startswith("generation.overlap auto: one_step — trainer and")
+    assert r.overlap_choice.on and r.overlap_choice.line().startswith("generation.overlap auto: one_step — trainer and")
+    assert r.choice_lines()[0] == (  # decided before overlap: the share is sized for one engine process
+        "generation.engine_processes auto: 1 — generation.overlap: auto is decided after vLLM's share, sized for one "
+        "engine process (set generation.overlap: one_step to let auto choose)"
+    )
     recorded = r.recorded_recipe().generation
     assert (recorded.overlap, recorded.engine_process) == ("one_step", True)  # no auto left for a resume to decide
     launch = launch_of(r, tmp_path)
@@ -281,6 +285,61 @@ def test_the_memory_estimate_counts_every_engine_process():
     assert auto_two.share == two.chosen > auto_one.share == one.chosen
     assert "2 engine processes' vLLM weights and allowances" in auto_two.reason
     assert "vLLM's weights" in auto_one.reason and "engine processes" not in auto_one.reason
+
+
+def test_engine_processes_auto_runs_two_for_a_small_model_when_the_recipe_puts_the_engine_in_its_own_process(tmp_path):
+    """Two where vLLM's one-thread loop limited SmolLM2-135M's generation on an H200 (docs/benchmarks, invocation L);
+    decided before vLLM's share, which then holds both copies; recorded, so the ranks and a resume read 2."""
+    r = on_h200("smollm2-135m-gsm8k", "generation.overlap=one_step")
+    gen = r.recipe.generation
+    assert (gen.engine_processes, gen.vllm_gpu_memory_utilization) == (2, 0.09)
+    assert r.choice_lines()[:2] == [
+        "generation.engine_processes auto: 2 — a model of 0.13B parameters: vLLM's per-token loop on one CPU core is "
+        "what its generation waits for, so 2 loops each generate part of every batch (32 CPU cores a rank)",
+        r.share_choice.line(),
+    ]
+    assert "2 engine processes' vLLM weights and allowances" in r.share_choice.reason
+    assert r.recorded_recipe().generation.engine_processes == 2
+    assert launch_of(r, tmp_path)["engine"]["processes"] == 2
+    same = on_h200("smollm2-135m-gsm8k", "generation.engine_process=true")  # without overlap, too
+    assert same.recipe.generation.engine_processes == 2
+
+
+@pytest.mark.parametrize(
+    ("recipe", "sets", "host", "reason"),
+    [
+        ("smollm2-135m-gsm8k", (), None, "the engine runs in the rank's process"),
+        ("smollm2-135m-gsm8k", ("generation.overlap=auto",), None, "generation.overlap: auto is decided after"),
+        (
+            "smollm2-135m-gsm8k",
+            ("generation.overlap=one_step", "generation.vllm_gpu_memory_utilization=0.2"),
+            None,
+            "generation.vllm_gpu_memory_utilization is set, for one engine process",
+        ),
+        (
+            QWEN05,
+            ("generation.overlap=one_step", "generation.sleep_level=0", "generation.vllm_gpu_memory_utilization=auto"),
+            None,
+            "a model of 0.49B parameters: more engine processes were measured faster only up to 0.25B",
+        ),
+        ("smollm2-135m-gsm8k", ("generation.overlap=one_step",), 3, "3 CPU cores a rank (two engine loops need 4)"),
+    ],
+    ids=["in-the-rank", "overlap-auto", "explicit-share", "0.5b", "3-cores"],
+)
+def test_engine_processes_auto_runs_one_otherwise_and_says_why(recipe, sets, host, reason):
+    h = assumed_host(1, H200_GIB, **({"cpu_count": host} if host else {}))
+    r = resolved_for(recipe, h, *sets)
+    assert r.recipe.generation.engine_processes == 1
+    assert r.engine_processes_choice.count == 1 and r.engine_processes_choice.reason.startswith(reason)
+    assert r.recorded_recipe().generation.engine_processes == 1
+
+
+def test_engine_processes_auto_on_cpu_generates_with_one_transformers_process():
+    r = resolved_for("quickstart", CPU, "generation.engine_process=true")
+    assert r.backend == "transformers" and r.recipe.generation.engine_processes == 1
+    assert "generation.engine_processes auto: 1 — generation with transformers" in r.choice_lines()
+    explicit = resolved_for("quickstart", CPU, "generation.engine_process=true", "generation.engine_processes=2")
+    assert explicit.engine_processes_choice is None and explicit.recipe.generation.engine_processes == 2
 
 
 def test_engine_processes_are_recorded_and_need_the_engine_in_its_own_process(tmp_path):

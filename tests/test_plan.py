@@ -275,13 +275,19 @@ def test_resume_of_a_run_dir_written_before_every_value_was_recorded(tmp_path):
     written = started.recipe.model_copy(
         update={"output": started.recipe.output.model_copy(update={"run_dir": str(run_dir)})}
     )
-    # sleep level, micro-batch: resolved into the recipe; overlap, vLLM's share: not auto by default (only when asked)
+    # sleep level, micro-batch, engine processes: resolved into the recipe; overlap, vLLM's share: not auto by
+    # default (only when asked)
     assert set(auto_keys(written)) == set(AUTO_KEYS) - {
         "generation.vllm_gpu_memory_utilization",
         "generation.sleep_level",
         "trainer.micro_batch_size",
         "generation.overlap",
+        "generation.engine_processes",
     }
+    # a run directory older than engine_processes has no such key: it ran one engine process (launch.json says so)
+    written = written.model_copy(
+        update={"generation": written.generation.model_copy(update={"engine_processes": "auto"})}
+    )
     (run_dir / "recipe.yaml").write_text(dump_recipe(written))
     launch = json.loads(plan.files["launch.json"])
     earlier = {k: v for k, v in launch.items() if k not in ("builtin_model", "model_dtype", "held_out_rows")}

@@ -1,5 +1,6 @@
 """`distributed.zero_stage: auto` and `trainer.gradient_checkpointing: auto`: the fastest trainer layout that fits;
-`generation.sleep_level: auto`: sleep only when trainer and vLLM do not fit together.
+`generation.sleep_level: auto`: sleep only when trainer and vLLM do not fit together; `generation.engine_processes:
+auto` (`with_engine_processes`, by the model's size: `plan.overlap.choose_engine_processes`).
 
 `choose_layout` is a pure function of a resolved recipe and the GPU memory. It lists the candidates fastest first
 (order by measured speed, not by memory saved): ZeRO-2, ZeRO-3, ZeRO-3 + optimizer offload, ZeRO-3 + optimizer
@@ -30,9 +31,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from colocate_rl.errors import UserError
+from colocate_rl.memory.shapes import layout_for
 from colocate_rl.plan.choices import Candidate, LayoutChoice, ShareChoice, SleepChoice, Tried
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deepspeed_config, load_base_config
-from colocate_rl.plan.overlap import engine_copies
+from colocate_rl.plan.overlap import choose_engine_processes, engine_copies
+from colocate_rl.plan.resolved import rank_cores, with_values
 from colocate_rl.recipe.generation import GenerationSection
 
 if TYPE_CHECKING:
@@ -258,3 +261,18 @@ def choose_sleep_level(resolved: Resolved, gpu_gib: float | None, prompt_tokens:
         return SleepChoice(0, reason, peak, limit)
     reason = f"at sleep 0 the peak would be {peak:.2f} GiB ({phase}) > {limit:.1f} GiB ({margin})"
     return SleepChoice(2, reason, peak, limit)
+
+
+def with_engine_processes(resolved: Resolved, auto_share: bool) -> Resolved:
+    """`resolved` with `generation.engine_processes: auto` decided (`choose_engine_processes`; `auto_share`: the
+    recipe left vLLM's share auto); unchanged when the recipe sets the count."""
+    if resolved.recipe.generation.engine_processes != "auto":
+        return resolved
+    try:
+        params_b = layout_for(resolved.recipe.model.name, config=resolved.preflight.model_config).active_params / 1e9
+    except UserError:  # a layout the estimate does not know: the size is unknown
+        params_b = None
+    cores = rank_cores(resolved.host, resolved.nproc_per_node)
+    choice = choose_engine_processes(resolved.recipe, resolved.backend, params_b, cores, auto_share)
+    recipe = with_values(resolved.recipe, {"generation.engine_processes": choice.count})
+    return dataclasses.replace(resolved, recipe=recipe, engine_processes_choice=choice)

@@ -207,6 +207,7 @@ def to_json(rec: Recommendation) -> dict[str, Any]:
                 ("sleep", r.sleep_choice),
                 ("micro_batch", r.micro_batch_choice),
                 ("overlap", r.overlap_choice),
+                ("engine_processes", r.engine_processes_choice),
             )
         },
     }

@@ -210,6 +210,20 @@ class OverlapChoice:
 
 
 @dataclass(frozen=True)
+class EngineProcessesChoice:
+    """What `generation.engine_processes: auto` chose and why."""
+
+    count: int
+    reason: str
+
+    def line(self) -> str:
+        return f"generation.engine_processes auto: {self.count} — {self.reason}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"engine_processes": self.count, "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class MicroBatchChoice:
     """What `trainer.micro_batch_size: auto` chose and why; the estimated peak at that size and the limit it was held
     to (None when nothing was estimated)."""

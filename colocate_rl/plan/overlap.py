@@ -1,11 +1,18 @@
 """`generation.overlap`, `generation.engine_process`, `vllm_multiprocessing` and `engine_processes`: what rules one-step
 overlap out, what explicit settings cannot run together, and what `overlap: auto` decides once the sleep level is
-known. Torch-free; reads nothing."""
+known, and how many engine processes `engine_processes: auto` runs. Torch-free; reads nothing."""
 
 from __future__ import annotations
 
-from colocate_rl.plan.choices import OverlapChoice
+from colocate_rl.plan.choices import EngineProcessesChoice, OverlapChoice
 from colocate_rl.recipe.schema import Recipe
+
+# engine_processes auto: the largest model (billions of parameters) whose generation waited on vLLM's per-token loop,
+# one CPU thread, so that two engine processes generated faster: SmolLM2-135M on an H200 (docs/benchmarks, invocation
+# L: a 256-completion batch in 1.67 s with two against 2.10 with one). Larger models are unmeasured: one.
+SMALL_MODEL_B = 0.25
+AUTO_ENGINE_PROCESSES = 2
+ENGINE_CORES = 4  # CPU cores a rank needs for two engine loops beside the trainer and the rest
 
 
 def overlap_blockers(recipe: Recipe, backend: str) -> list[str]:
@@ -70,7 +77,7 @@ def check_overlap(recipe: Recipe, backend: str) -> list[str]:
             "the rank's process shares that process with the trainer); set generation.engine_process: true, or "
             "generation.vllm_multiprocessing: false"
         )
-    if gen.engine_processes > 1 and not engine_in_process(recipe):
+    if isinstance(gen.engine_processes, int) and gen.engine_processes > 1 and not engine_in_process(recipe):
         problems.append(
             f"generation.engine_processes: {gen.engine_processes} needs the engine in its own process; set "
             "generation.engine_process: true (or generation.overlap: one_step), or generation.engine_processes: 1"
@@ -110,3 +117,41 @@ def engine_copies(recipe: Recipe) -> int:
     """How many engine processes each rank runs (`generation.engine_processes` with the engine in its own process;
     else 1, the engine in the rank)."""
     return recipe.generation.engine_processes if engine_in_process(recipe) else 1
+
+
+def choose_engine_processes(
+    recipe: Recipe, backend: str, params_b: float | None, cores: int, auto_share: bool
+) -> EngineProcessesChoice:
+    """`generation.engine_processes: auto` for `recipe` bound to a host (`backend`; `params_b`: the model's
+    parameters in billions, None when unknown; `cores`: the CPU cores a rank has): AUTO_ENGINE_PROCESSES where vLLM
+    generates in an engine process of the recipe's own choosing on a model of at most SMALL_MODEL_B and vLLM's share
+    is `auto_share` (then sized for every copy), else 1. Decided before the share; `overlap: auto` is decided after it, so it gets 1."""
+    gen = recipe.generation
+    if gen.engine_process == "auto" and gen.overlap == "auto":
+        return EngineProcessesChoice(
+            1,
+            "generation.overlap: auto is decided after vLLM's share, sized for one engine process (set "
+            "generation.overlap: one_step to let auto choose)",
+        )
+    if not engine_in_process(recipe):
+        return EngineProcessesChoice(1, "the engine runs in the rank's process")
+    if backend != "vllm":
+        return EngineProcessesChoice(1, f"generation with {backend}")
+    if not auto_share:
+        return EngineProcessesChoice(
+            1,
+            "generation.vllm_gpu_memory_utilization is set, for one engine process (set "
+            "generation.engine_processes: 2 to split it)",
+        )
+    if params_b is None or params_b > SMALL_MODEL_B:
+        size = "of unknown size" if params_b is None else f"of {params_b:.2f}B parameters"
+        return EngineProcessesChoice(
+            1, f"a model {size}: more engine processes were measured faster only up to {SMALL_MODEL_B}B"
+        )
+    if cores < ENGINE_CORES:
+        return EngineProcessesChoice(1, f"{cores} CPU cores a rank (two engine loops need {ENGINE_CORES})")
+    return EngineProcessesChoice(
+        AUTO_ENGINE_PROCESSES,
+        f"a model of {params_b:.2f}B parameters: vLLM's per-token loop on one CPU core is what its generation waits "
+        f"for, so {AUTO_ENGINE_PROCESSES} loops each generate part of every batch ({cores} CPU cores a rank)",
+    )

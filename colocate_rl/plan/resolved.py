@@ -8,7 +8,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from colocate_rl.plan.choices import LayoutChoice, MicroBatchChoice, OverlapChoice, ShareChoice, SleepChoice
+from colocate_rl.plan.choices import (
+    EngineProcessesChoice,
+    LayoutChoice,
+    MicroBatchChoice,
+    OverlapChoice,
+    ShareChoice,
+    SleepChoice,
+)
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout
 from colocate_rl.plan.host import Host
 from colocate_rl.plan.overlap import engine_in_process
@@ -26,6 +33,7 @@ AUTO_KEYS = (
     "generation.sleep_level",
     "generation.overlap",
     "generation.engine_process",
+    "generation.engine_processes",
     "trainer.gradient_checkpointing",
     "trainer.micro_batch_size",
 )
@@ -92,11 +100,18 @@ class Resolved:
     sleep_choice: SleepChoice | None = None  # what auto chose, when generation.sleep_level is auto (recipe holds it)
     micro_batch_choice: MicroBatchChoice | None = None  # when trainer.micro_batch_size is auto (recipe holds it)
     overlap_choice: OverlapChoice | None = None  # when generation.overlap is auto (recipe holds it)
+    engine_processes_choice: EngineProcessesChoice | None = None  # when generation.engine_processes is auto (recipe
+    # holds it); a line only where the engine runs in its own process
 
     def choice_lines(self) -> list[str]:
         """What each `auto` chose and why, one line each (the layout may take several)."""
         return (
-            ([self.share_choice.line()] if self.share_choice is not None else [])
+            (  # decided first: the share holds every engine process's copy
+                [self.engine_processes_choice.line()]
+                if self.engine_processes_choice is not None and engine_in_process(self.recipe)
+                else []
+            )
+            + ([self.share_choice.line()] if self.share_choice is not None else [])
             + (self.layout_choice.lines() if self.layout_choice is not None else [])
             + ([self.sleep_choice.line()] if self.sleep_choice is not None else [])
             + ([self.micro_batch_choice.line()] if self.micro_batch_choice is not None else [])

@@ -109,9 +109,10 @@ class GenerationSection(BaseModel):
         "(vLLM's V1 multiprocessing). Off by default: beside training it generated slower on an H200 "
         "(docs/benchmarks, invocation H).",
     )
-    engine_processes: Count = Field(
-        1,
+    engine_processes: Count | Literal["auto"] = Field(
+        "auto",
         description="With the engine in its own process: how many engine processes per rank share each generation "
         "batch (each with its own copy of the weights and its part of the KV cache). On a small model vLLM's "
-        "loop keeps one CPU core busy while the GPU waits; more processes run more loops at once.",
+        "loop keeps one CPU core busy while the GPU waits; more processes run more loops at once. auto = 2 for "
+        "vLLM on a model of at most 0.25B parameters with the share auto and 4 CPU cores a rank, else 1.",
     )
