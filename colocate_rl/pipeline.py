@@ -48,7 +48,7 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
     level 2 instead of 0 where the step-time forecast says a larger micro-batch asleep is faster);
     `engine_processes: auto` before the share (which holds every copy); `overlap: auto` after the sleep level
     (one_step when vLLM stays awake and nothing rules it out; one_step itself makes `sleep_level: auto` 0); the
-    resolved recipe holds what was chosen, `recorded_recipe()` every value. Raise one UserError listing every problem."""
+    resolved recipe holds what was chosen, `recorded_recipe()` every value. One UserError lists every problem."""
     from colocate_rl.memory import autolayout as al
     from colocate_rl.memory.micro_batch import choose_micro_batch_and_sleep, with_micro_batch
     from colocate_rl.plan.overlap import choose_overlap

@@ -124,8 +124,9 @@ def choose_engine_processes(
 ) -> EngineProcessesChoice:
     """`generation.engine_processes: auto` for `recipe` bound to a host (`backend`; `params_b`: the model's
     parameters in billions, None when unknown; `cores`: the CPU cores a rank has): AUTO_ENGINE_PROCESSES where vLLM
-    generates in an engine process of the recipe's own choosing on a model of at most SMALL_MODEL_B and vLLM's share
-    is `auto_share` (then sized for every copy), else 1. Decided before the share; `overlap: auto` is decided after it, so it gets 1."""
+    generates in an engine process the recipe asks for, on a model of at most SMALL_MODEL_B, with vLLM's share auto
+    (`auto_share`: then sized for every copy); else 1. Decided before the share, and `overlap: auto` after it, so a
+    recipe leaving overlap to auto gets 1."""
     gen = recipe.generation
     if gen.engine_process == "auto" and gen.overlap == "auto":
         return EngineProcessesChoice(
