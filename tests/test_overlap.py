@@ -305,6 +305,16 @@ def test_engine_processes_auto_runs_two_for_a_small_model_when_the_recipe_puts_t
     assert same.recipe.generation.engine_processes == 2
 
 
+def test_the_estimate_says_the_batch_is_split_and_each_engine_process_has_its_weights_and_allowance():
+    result = cli_here(
+        "mem-probe", "smollm2-135m-gsm8k", "--estimate", "--gpus", "1", "--gpu-memory", "140.4",
+        "--set", "generation.overlap=one_step",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "32 sequences per vLLM engine (split among its 2 engine processes) × 768 tokens" in result.stdout
+    assert "(2 × (vLLM weights + 2 GiB allowance) + KV = 5.03 GiB)" in result.stdout
+
+
 @pytest.mark.parametrize(
     ("recipe", "sets", "host", "reason"),
     [

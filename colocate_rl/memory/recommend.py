@@ -12,6 +12,7 @@ from colocate_rl.errors import UserError
 from colocate_rl.memory.autolayout import host_fits
 from colocate_rl.memory.estimate import MEMORY_PHASES, SHARE_MARGIN, VLLM_ALLOWANCE_GIB, Estimate, estimate
 from colocate_rl.plan.deepspeed import ZeroLayout
+from colocate_rl.plan.overlap import engine_copies
 from colocate_rl.recipe.load import format_sets
 
 if TYPE_CHECKING:
@@ -236,17 +237,24 @@ def recommendation_lines(rec: Recommendation, ram_gib: float | None = None) -> l
         if lay.experts
         else ""
     )
+    n = engine_copies(r)
+    allowance = f"{VLLM_ALLOWANCE_GIB:g} GiB allowance"
+    split, need = (
+        (f" (split among its {n} engine processes)", f"{n} × (vLLM weights + {allowance}) + KV")
+        if n > 1
+        else ("", f"vLLM weights + KV + {allowance}")
+    )
     lines = [
         f"model {r.model.name}: {lay.params:,} params (hidden {lay.hidden}, {lay.layers} layers, {lay.heads} "
         f"heads / {lay.kv_heads} KV heads, vocab {lay.vocab:,}{experts}); {r.distributed.nnodes} node(s) × "
         f"{b.resolved.nproc_per_node} GPU(s) of {G:.1f} GiB; {'DDP' if stage is None else f'ZeRO-{stage}'}; "
         f"vLLM TP {r.generation.tensor_parallel_size}",
-        f"generation batch: {kv['sequences']} sequences per vLLM engine × {kv['tokens']} tokens (prompt ≤ "
+        f"generation batch: {kv['sequences']} sequences per vLLM engine{split} × {kv['tokens']} tokens (prompt ≤ "
         f"{kv['prompt_tokens']} + completion {kv['completion_tokens']}), KV {kv['bytes_per_token']:,} B/token → "
         f"{kv['gib']:.2f} GiB; the recipe's share ({b.util}) holds {b.max_seqs(b.util):,} such sequences",
         *([f"prompt length: {lp.line(r.data.source)}"] if (lp := b.resolved.preflight.longest_prompt) else []),
-        f"window for generation.vllm_gpu_memory_utilization: {b.lower:.3f} (vLLM weights + KV + "
-        f"{VLLM_ALLOWANCE_GIB:g} GiB allowance = {b.need_gib:.2f} GiB) to {b.upper:.3f} (what the trainer's "
+        f"window for generation.vllm_gpu_memory_utilization: {b.lower:.3f} ({need} = {b.need_gib:.2f} GiB) to "
+        f"{b.upper:.3f} (what the trainer's "
         f"{b.fixed[b.upper_phase]:.2f} GiB leave during {b.upper_phase})",
     ]
     where = "below the window" if b.util < b.lower else "above the window" if b.util > b.upper else "in the window"
