@@ -105,6 +105,11 @@ def test_auto_gives_math_verify_the_ranks_spare_cores_and_the_rest_one():
     assert reward_processes(r, assumed_host(1, cpu_count=16), 1) == [8, 1, 3]
     assert reward_processes(r, assumed_host(8, cpu_count=32), 8) == [2, 1, 3]  # 4 cores a rank, 2 spare
     assert reward_processes(r, assumed_host(1, cpu_count=2), 1) == [1, 1, 3]  # CI: no spare core
+    two_engines = r.model_copy(
+        update={"generation": r.generation.model_copy(update={"engine_process": True, "engine_processes": 2})}
+    )
+    assert reward_processes(two_engines, assumed_host(1, cpu_count=8), 1) == [5, 1, 3]  # 8 less trainer, 2 engines
+    assert reward_processes(r, assumed_host(1, cpu_count=8), 1) == [6, 1, 3]
 
 
 def test_processes_on_a_reward_model_is_refused_with_its_key():

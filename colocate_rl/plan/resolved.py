@@ -18,7 +18,7 @@ from colocate_rl.plan.choices import (
 )
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout
 from colocate_rl.plan.host import Host
-from colocate_rl.plan.overlap import engine_in_process
+from colocate_rl.plan.overlap import engine_copies, engine_in_process
 from colocate_rl.plan.preflight import Preflight
 from colocate_rl.recipe.schema import Recipe
 
@@ -50,8 +50,9 @@ def rank_cores(host: Host, nproc_per_node: int) -> int:
 
 def reward_processes(recipe: Recipe, host: Host, nproc_per_node: int) -> list[int]:
     """Each reward's `processes` as an integer: `auto` gives a reward of AUTO_REWARD_PROCESSES the rank's spare CPU
-    cores (`rank_cores`, less two for the trainer and the engine), when that is 2 or more; else 1."""
-    spare = rank_cores(host, nproc_per_node) - 2
+    cores (`rank_cores`, less one for the trainer and one for each engine process), when that is 2 or more; else 1.
+    `recipe` has its engine process count decided."""
+    spare = rank_cores(host, nproc_per_node) - 1 - engine_copies(recipe)
     out = []
     for reward in recipe.rewards:
         most = AUTO_REWARD_PROCESSES.get((reward.name or "").strip(), 1)
