@@ -18,7 +18,7 @@ from colocate_rl.errors import UserError
 from colocate_rl.launch import owner
 from colocate_rl.launch.compile_cache import STALE_AFTER_S, CompileWatch
 from colocate_rl.launch.failures import rank_failure
-from colocate_rl.launch.supervise import Stopped, stop_signals_raise
+from colocate_rl.launch.supervise import Stopped, end_tree, stop_signals_raise
 from colocate_rl.plan.launch_plan import extensions_dir, launch_script
 from colocate_rl.rundir import CHECKPOINT_COMPLETE, OWNER_LOCK, check_run_dir_free
 
@@ -338,3 +338,23 @@ def test_a_killed_launcher_takes_torchrun_and_its_ranks_with_it(tmp_path):
 
 # That the CPU quickstart compiles no DeepSpeed op is checked on its full run, in
 # tests/test_e2e.py::test_quickstart_zero3_two_ranks_learns (one torchrun start fewer).
+
+
+def test_ending_a_tree_whose_child_is_stopped_does_not_wait_for_the_grace_period(tmp_path):
+    """A stopped (SIGSTOP) process acts on SIGTERM only once it runs again: end_tree continues it, so the watchdog's
+    end of a job with a stopped rank takes no grace period and no SIGKILL."""
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    proc = subprocess.Popen([sys.executable, "-c", script + "time.sleep(60)"], start_new_session=True)
+    guard = time.monotonic() + 30
+    while not psutil.Process(proc.pid).children():
+        assert time.monotonic() < guard
+        time.sleep(0.05)
+    [child] = psutil.Process(proc.pid).children()
+    for p in (psutil.Process(proc.pid), child):
+        p.suspend()
+    seen = {(child.pid, child.create_time()): child}
+    begin = time.monotonic()
+    end_tree(proc, seen, grace_s=30)
+    assert time.monotonic() - begin < 10
+    assert proc.returncode == -signal.SIGTERM  # ended by SIGTERM, not by the SIGKILL after the grace period
+    assert not child.is_running()

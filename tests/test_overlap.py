@@ -28,7 +28,7 @@ from conftest import resolved as resolved_for
 
 from colocate_rl.plan.host import assumed_host
 from colocate_rl.plan.launch_plan import make_plan
-from colocate_rl.rundir import RunDir, step_records
+from colocate_rl.rundir import RunDir, read_metrics, step_records
 from colocate_rl.telemetry import events
 
 # plain DDP: faster to start than the quickstart's ZeRO-3 (the learning test keeps ZeRO-3: the push gathers there)
@@ -206,14 +206,18 @@ def test_without_overlap_two_engine_processes_generate_each_batch_in_turn(tmp_pa
 
 @pytest.mark.slow
 def test_an_overlapped_run_stops_and_resumes_with_every_step_once(tmp_path):
+    """Overlap with two engine processes per rank (what `engine_processes: auto` gives a small model on a GPU) and
+    evaluation every 2 steps: a stop drops the generation in flight, the resume generates that batch again and then
+    ahead again, and evaluation (through the engine processes, beside the batch generated ahead) keeps its steps."""
     run_dir = tmp_path / "run"
     max_steps = 12  # room for the stop: on a loaded 2-core machine SIGTERM landed 4 steps after step 3 was logged
     proc = start(
-        run_dir, "quickstart", *DDP, "--set", "generation.overlap=one_step", "--set", f"trainer.max_steps={max_steps}"
-    )
+        run_dir, "quickstart", *DDP, *("--set", "generation.overlap=one_step", "--set", f"trainer.max_steps={max_steps}"),
+        *("--set", "generation.engine_processes=2", "--set", "eval.every_steps=2", "--set", "eval.num_samples=16"),
+    )  # fmt: skip
     wait_for_steps(proc, run_dir, 3)
     engines = engine_processes(proc)
-    assert len(engines) == 2
+    assert len(engines) == 4  # two for each of the two ranks
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 143, out
@@ -228,6 +232,9 @@ def test_an_overlapped_run_stops_and_resumes_with_every_step_once(tmp_path):
     after = [r["overlap/ahead"] for r in steps if r["step"] > stopped["step"]]
     assert after[0] == 0.0 and set(after[1:]) == {1.0}  # the dropped batch was generated again, then ahead again
     assert RunDir(run_dir).done.exists()
+    evals = {r["step"]: r for r in read_metrics(run_dir) if "eval/reward" in r}
+    assert set(range(0, max_steps + 1, 2)) - {stopped["step"]} <= set(evals)  # at 0 and every 2 steps (not the stop's)
+    assert all(r["eval/completion_length"] > 0 and 0 <= r["eval/reward"] <= 1 for r in evals.values())
 
 
 @pytest.mark.slow

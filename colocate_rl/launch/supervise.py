@@ -105,20 +105,22 @@ def _note_descendants(proc: subprocess.Popen, seen: dict) -> None:
 
 
 def end_tree(proc: subprocess.Popen, seen: dict, grace_s: float) -> None:
-    """SIGTERM to the child's process group and to every process it started (each by its id, also those in other
-    sessions), then SIGKILL to whatever is left after `grace_s`."""
+    """SIGTERM (then SIGCONT, for a stopped one) to the child's process group and to every process it started (each
+    by its id, also those in other sessions), then SIGKILL to whatever is left after `grace_s`."""
     import psutil
 
     _note_descendants(proc, seen)
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGCONT)
         except (ProcessLookupError, PermissionError):
             pass
     procs = [p for p in seen.values() if p.is_running()]
     for p in procs:
         try:
             p.terminate()
+            p.resume()  # SIGCONT: a stopped process acts on SIGTERM only once it runs again
         except psutil.Error:
             pass
     deadline = time.monotonic() + grace_s
