@@ -9,7 +9,8 @@ run as many engine processes as `generation.engine_processes: auto` chooses (two
 one before), `process-1e`, `overlap-1e` one, `process-2e`, `overlap-2e` two (each generating half of every batch),
 `process-4e` four),
 and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-batch set by hand: `trl` at share 0.3,
-`trl-lean` at the share one batch needs with the larger micro-batch), in the order given (default A-B-C-A-B-C), on
+`trl-lean` at the share one batch needs with the larger micro-batch, `trl-mb32` at 32 × 8 without gradient
+checkpointing), in the order given (default A-B-C-A-B-C), on
 256 completions per step of recipes/smollm2-135m-gsm8k.yaml's task.
 
 Workloads: `c256` SmolLM2-135M-Instruct (`--model`); `d256` a random-init model of SmolLM2-1.7B's shape with the same
@@ -47,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
 # process: no overlap, the engine in its own process; overlap-mps: overlap with a CUDA MPS daemon of its own (`Mps`)
-ARMS = ("overlap", "off", "process", "trl", "trl-lean", "overlap-mps", "overlap-mp", "overlap-plain", "overlap-omp1",
+ARMS = ("overlap", "off", "process", "trl", "trl-lean", "trl-mb32", "overlap-mps", "overlap-mp", "overlap-plain", "overlap-omp1",
         "process-1e", "process-2e", "process-4e", "overlap-1e", "overlap-2e")  # fmt: skip
 ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry says why)
     "process": ["generation.engine_process=true"],
@@ -66,12 +67,15 @@ SHAPE_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32
 # TRL by hand: `trl` the best micro-batch that fits at the share 0.3 (stack facts); `trl-lean` the whole step in one
 # micro-batch at the share one batch needs (as colocate-rl's `auto` plans c256), in case that is faster for TRL too
 # (micro-batch, accumulation, share, gradient checkpointing): at d256 TRL's default checkpointing stays on (its
-# GRPOConfig's; 128 x 2 without it would need ~150 GiB of activations), as in the 10.21 s/step issue 28 quotes
+# GRPOConfig's; 128 x 2 without it would need ~150 GiB of activations), as in the 10.21 s/step issue 28 quotes;
+# `trl-mb32` the micro-batch colocate-rl's plan takes at d256 (32 x 8) without checkpointing, in case TRL is faster so
 TRL_BY_HAND = {
     ("trl", "c256"): (128, 2, 0.3, False),
     ("trl", "d256"): (128, 2, 0.3, True),
     ("trl-lean", "c256"): (256, 1, 0.1, False),
     ("trl-lean", "d256"): (128, 2, 0.25, True),
+    ("trl-mb32", "c256"): (32, 8, 0.3, False),
+    ("trl-mb32", "d256"): (32, 8, 0.3, False),
 }
 CONCURRENT_KV = "2GiB"  # --concurrent: each run's KV cache (135M: ~90k tokens; a step needs 64 x <= 512)
 ARITH = [  # the learning workload: a task SmolLM2-135M learns (stack facts: held-out 0.115 -> 0.295 in 120 steps)

@@ -48,6 +48,9 @@ def test_trl_runs_its_own_script_with_the_micro_batch_set_by_hand(tmp_path):
         "0.3",
         "--gradient-checkpointing",
     ]
+    # colocate-rl's micro-batch at the 1.7B shape, without checkpointing
+    small = B.command("trl-mb32", "d256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, [])
+    assert small[small.index("--micro-batch") + 1 :] == ["32", "--grad-accum", "8", "--share", "0.3"]
 
 
 def test_a_bad_order_is_refused(capsys, tmp_path):
