@@ -150,18 +150,22 @@ def finished_steps(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_every_algorithm_trains_by_name(tmp_path):
-    """Two steps of every algorithm: dapo through `colocate-rl train` (real torchrun), the others from run
-    directories the launcher writes (launch.execute.prepare), each trained by the per-rank program in one Python
-    process (TRL imported once: ~5 s a process on this 2-core machine)."""
+    """Two steps of every algorithm: rloo through `colocate-rl train` (real torchrun, 2 ranks with DDP, a TRL option
+    of its own through trainer.extra_args), the others from run directories the launcher writes
+    (launch.execute.prepare), each trained by the per-rank program in one Python process (TRL imported once: ~5 s a
+    process on this 2-core machine)."""
     from colocate_rl.launch.execute import prepare
 
     started = time.monotonic()
-    result = cli("train", write_recipe(tmp_path / "dapo.yaml", tiny("dapo")), "--run-dir", tmp_path / "dapo")
-    assert result.returncode == 0, result.stdout[-2000:] + (tmp_path / "dapo" / "train.log").read_text()[-4000:]
+    rloo = {**tiny("rloo", extra_args={"normalize_advantages": True}), "distributed": {"nproc_per_node": 2}}
+    result = cli("train", write_recipe(tmp_path / "rloo.yaml", rloo), "--run-dir", tmp_path / "rloo")
+    assert result.returncode == 0, result.stdout[-2000:] + (tmp_path / "rloo" / "train.log").read_text()[-4000:]
     cli_seconds = time.monotonic() - started
+    trl_args = json.loads((tmp_path / "rloo" / "launch.json").read_text())["trl_args"]
+    assert trl_args["normalize_advantages"] is True and "deepspeed" not in trl_args  # DDP
 
     env = clean_env(**NO_GPU)
-    others = [name for name in NAMES if name != "dapo"]
+    others = [name for name in NAMES if name != "rloo"]
     for name in others:
         plan = make_plan(
             resolved(tiny(name), CPU),

@@ -114,24 +114,6 @@ def test_quickstart_tools_learns_to_call_the_calculator(tmp_path):
     assert "tools 1.00/episode" in result.stdout
 
 
-def test_rloo_ddp_runs(tmp_path):
-    run_dir = tmp_path / "rloo"
-    result = train(
-        run_dir,
-        "recipes/quickstart.yaml",
-        "--set",
-        "algorithm=rloo",
-        "--set",
-        "trainer.max_steps=6",
-        *DDP,
-        "--set",
-        "trainer.extra_args={normalize_advantages: true}",
-    )
-    assert result.returncode == 0, (run_dir / "train.log").read_text()[-5000:]
-    assert len(rewards(run_dir)) == 6
-    assert "deepspeed" not in json.loads((run_dir / "launch.json").read_text())["trl_args"]
-
-
 def test_failing_rank_propagates_exit_code_and_log_tail(tmp_path):
     """A reward that raises on the ranks: the CLI exits with torchrun's non-zero code and points at the log."""
     # fine when validation calls it on a sample completion; raises on the ranks (torchrun sets RANK)

@@ -232,7 +232,8 @@ def run_supervised(
                 break
             if on_tick is not None:
                 on_tick()
-            time.sleep(TICK_S)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=TICK_S)  # returns as soon as the child ends
     finally:
         _restore(previous)
     if any(p.is_running() for p in seen.values()):  # a straggler of the tree (it would hold GPU memory)
