@@ -262,6 +262,9 @@ def standalone_figures(path: Path, warmup: int) -> dict:
             "gc_s": _median([r.get("gc_s", 0.0) for r in rows]),
             "sampling": variant.get("sampling"),
         }
+        if "agreement" in variant:  # rescore: its second call's time and how its logprobs agree with the sampler's
+            fig["variants"][name]["rescore_s"] = _median([r["rescore_s"] for r in rows])
+            fig["variants"][name]["agreement"] = variant["agreement"]
     return fig
 
 
@@ -326,6 +329,9 @@ TABLE_COLUMNS = [
     ("ratio colocated/standalone", "ratio"),
     ("standalone detok tok/s", "same.variants.detok.tokens_per_s"),
     ("standalone lean tok/s", "same.variants.lean.tokens_per_s"),
+    ("standalone rescore s/batch", "same.variants.rescore.s_per_batch"),
+    ("rescore's prefill s", "same.variants.rescore.rescore_s"),
+    ("rescore vs sampled logprobs, max abs diff", "same.variants.rescore.agreement.max_abs"),
     ("mp-engine trl tok/s", "mp.variants.trl.tokens_per_s"),
     ("mp-engine lean tok/s", "mp.variants.lean.tokens_per_s"),
     ("max_num_seqs", "colocated.config.max_num_seqs"),
@@ -337,7 +343,8 @@ TABLE_NOTE = (
     "arguments, prompts and TRL SamplingParams, one GPU; 1 = parity, 0.5 = half the speed). Per rank (rank 0), median "
     "over the measured batches; tok/s = tokens ÷ seconds summed over them. detok / lean / mp-engine: the standalone "
     "with detokenize=True (TRL's own engine) / with no logprobs and no detokenization / with vLLM's own engine-core "
-    "process (benchmarks/generation_vllm.py). TRL engine: the "
+    "process (benchmarks/generation_vllm.py); rescore: lean, then the sampled tokens' logprobs from one prefill of "
+    "prompt + completion (both calls in its s/batch). TRL engine: the "
     "same run with generation.engine trl and the micro-batch as written (≈ TRL's own colocate mode); × = its s/step "
     "÷ colocate-rl's.\n"
 )

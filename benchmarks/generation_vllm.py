@@ -13,7 +13,11 @@ Standalone (a separate process on one GPU, after the colocated run of the same w
   standalone = generation k of the run; SamplingParams as colocate-rl's engine builds them for training
   (`sampling_kwargs`), changed per variant (`VARIANTS`). Timed: `LLM.generate` only (prefix cache reset before each
   batch, as after every weight push), and the run's logprob extraction of its outputs (`read_outputs`) separately
-  (`post_s`).
+  (`post_s`). Variant `rescore` generates without logprobs and then takes the sampled tokens' logprobs from one
+  prefill over prompt + completion (`prompt_logprobs=0`, no temperature: vLLM's prompt logprobs skip the sampling
+  processors, so it stands in only at temperature 1 without penalties or filters): its `s` is both calls
+  (`generate_s`, `rescore_s`), and once after its timed batches it rescores one batch generated with the run's own
+  SamplingParams and compares the two logprobs of every sampled token (`agreement`).
 
 Probe (in the colocated run's ranks, through benchmarks/generation_probe/sitecustomize.py): once colocate-rl's
 trainer has started its engine, wraps the engine's `llm.generate` and the logprob extraction it runs on vLLM's
@@ -55,16 +59,19 @@ PROFILE_ENV = "COLOCATE_BENCH_PROFILE"  # "generate=K,train=J": torch-profile ge
 # one) and no process group (deepspeed starts one).
 NOT_FOR_GENERATION = ("deepspeed", "bf16", "fp16")
 
+LEAN = {"logprobs": None, "detokenize": False}
 VARIANTS = {  # name → (what it changes in TRL's request, SamplingParams changes)
     "trl": ("the run's SamplingParams (colocate-rl's engine: detokenize=False, flat logprobs), n=1 per copy", {}),
     "detok": ("+ detokenize=True (TRL's own engine: vLLM also builds the text)", {"detokenize": True}),
     "nodetok": ("+ detokenize=False (TRL reads only token ids and logprobs)", {"detokenize": False}),
     "nologprobs": ("logprobs=None", {"logprobs": None}),
-    "lean": ("logprobs=None, detokenize=False", {"logprobs": None, "detokenize": False}),
+    "lean": ("logprobs=None, detokenize=False", LEAN),
     "flat": ("+ detokenize=False, flat_logprobs=True", {"detokenize": False, "flat_logprobs": True}),
     "nested": ("+ flat_logprobs=False (a dict and a Logprob per token)", {"flat_logprobs": False}),
     "groupn": ("n=num_generations on one copy of each prompt (vLLM fans out)", {}),
+    "rescore": ("lean, then the sampled tokens' logprobs from a prefill of prompt + completion", LEAN),
 }
+RESCORE = {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False, "flat_logprobs": True, "temperature": 1.0}
 SAMPLING_FIELDS = (
     "n",
     "temperature",
@@ -257,6 +264,41 @@ class GcClock:
 
 def completion_tokens(outputs) -> int:
     return sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+
+def rescore_requests(prompts: list[list[int]], outputs) -> list[dict]:
+    """One request per sampled sequence of `outputs` (vLLM's, one per prompt): its prompt followed by its completion."""
+    return [{"prompt_token_ids": list(p) + list(o.outputs[0].token_ids)} for p, o in zip(prompts, outputs)]
+
+
+def rescored_logprobs(outputs, prompt_lengths: list[int]) -> list[list[float]]:
+    """The logprob of every completion token from the prompt logprobs of rescoring requests (position p of a prompt
+    holds the logprob of its token p given the tokens before it; position 0 holds none): through vLLM's
+    `FlatLogprobs` lists where the request asked for no more than the token itself, else position by position."""
+    result = []
+    for out, n in zip(outputs, prompt_lengths):
+        lps, ids = out.prompt_logprobs, out.prompt_token_ids
+        starts, values = getattr(lps, "start_indices", None), getattr(lps, "logprobs", None)
+        if isinstance(values, list) and len(values) == len(ids) - 1:  # flat, one entry per position after the first
+            result.append([values[starts[p]] for p in range(n, len(ids))])
+        else:
+            result.append([lps[p][ids[p]].logprob for p in range(n, len(ids))])
+    return result
+
+
+def agreement(sampled: list[list[float | None]], rescored: list[list[float]]) -> dict[str, Any]:
+    """How the sampler's logprobs of the sampled tokens compare with the rescoring's: tokens compared, largest and
+    mean absolute difference, mean difference (sampled − rescored)."""
+    pairs = [(a, b) for xs, ys in zip(sampled, rescored) for a, b in zip(xs, ys, strict=True) if a is not None]
+    if not pairs:
+        return {"tokens": 0}
+    diffs = [a - b for a, b in pairs]
+    return {
+        "tokens": len(pairs),
+        "max_abs": round(max(abs(d) for d in diffs), 6),
+        "mean_abs": round(statistics.fmean(abs(d) for d in diffs), 6),
+        "mean": round(statistics.fmean(diffs), 6),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- the probe
@@ -564,6 +606,7 @@ def run_standalone(args: argparse.Namespace) -> dict[str, Any]:
         "variants": {},
     }
     clock, profile_at = GcClock(), profile_targets().get("generate")
+    rescore_params = SamplingParams(**RESCORE)
     for variant in args.variants:
         params = SamplingParams(**variant_sampling(base, variant))
         rows = []
@@ -587,12 +630,26 @@ def run_standalone(args: argparse.Namespace) -> dict[str, Any]:
             seconds = time.perf_counter() - start
             clock.active = False
             row = {"s": round(seconds, 5), "tokens": completion_tokens(outputs), "gc_s": round(clock.seconds, 5)}
+            if variant == "rescore":  # the sampled tokens' logprobs from a second call, counted in `s`
+                start = time.perf_counter()
+                rescored = llm.generate(rescore_requests(prompts, outputs), rescore_params, use_tqdm=False)
+                rescored_logprobs(rescored, [len(p) for p in prompts])
+                row.update(generate_s=row["s"], rescore_s=round(time.perf_counter() - start, 5))
+                row["s"] = round(row["generate_s"] + row["rescore_s"], 5)
             if params.logprobs is not None:  # what the engine does with them, timed apart
                 start = time.perf_counter()
                 read_outputs(outputs)
                 row["post_s"] = round(time.perf_counter() - start, 5)
             rows.append(row)
         result["variants"][variant] = {"sampling": sampling_summary(params), "batches": rows}
+        if variant == "rescore":  # one batch with the run's own SamplingParams: its logprobs against the rescoring's
+            prompts = batches[args.warmup]
+            llm.reset_prefix_cache()
+            sampled = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**base), use_tqdm=False)
+            rescored = llm.generate(rescore_requests(prompts, sampled), rescore_params, use_tqdm=False)
+            result["variants"][variant]["agreement"] = agreement(
+                read_outputs(sampled).logprobs, rescored_logprobs(rescored, [len(p) for p in prompts])
+            )
         measured = rows[args.warmup :]
         seconds = sum(r["s"] for r in measured)
         print(

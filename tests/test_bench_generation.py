@@ -486,6 +486,12 @@ def write_hand_made_results(out: Path, name: str) -> None:
                 "sampling": {"n": 1, "logprobs": None},
                 "batches": [{"s": 5.0, "tokens": 100}] + [{"s": 0.5, "tokens": 100}] * 2,
             },
+            "rescore": {
+                "sampling": {"n": 1, "logprobs": None},
+                "batches": [{"s": 5.0, "tokens": 100, "rescore_s": 1.0}]
+                + [{"s": 0.7, "generate_s": 0.5, "rescore_s": 0.2, "tokens": 100}] * 2,
+                "agreement": {"tokens": 200, "max_abs": 0.03, "mean_abs": 0.004, "mean": 0.001},
+            },
         },
     }
     (out / "standalone").mkdir(parents=True)
@@ -517,6 +523,8 @@ def test_ratio_and_table_from_hand_written_result_files(tmp_path):
     assert cells["workload"] == "a16" and cells["ratio colocated/standalone"] == "0.5"
     assert cells["colocated tok/s"] == "50.0" and cells["standalone tok/s"] == "100.0"
     assert cells["standalone lean tok/s"] == "200.0" and cells["mp-engine trl tok/s"] == ""
+    assert (cells["standalone rescore s/batch"], cells["rescore's prefill s"]) == ("0.7", "0.2")
+    assert cells["rescore vs sampled logprobs, max abs diff"] == "0.03"
     assert cells["exits"] == "colocated:0 same:0" and cells["CUDA graph max size"] == "4"
     assert text.count("| a16 |") == 1 and "ratio = colocated tokens/s" in text
 
@@ -613,3 +621,30 @@ def test_an_experiments_recipe_override_reaches_both_sides(tmp_path):
     assert G.sampling_kwargs(G.trl_config(G.read_launch(run_dir)))["detokenize"] is True
     kwargs = G.engine_kwargs(run_dir)
     assert kwargs["max_num_seqs"] == 128 and kwargs["seed"] == 5  # vLLM samples from trainer.seed on rank 0
+
+
+def test_the_rescore_variant_reads_each_completion_tokens_logprob_from_the_prompt_logprobs():
+    """Stand-ins for vLLM's request outputs (vLLM does not run here), shaped as vLLM 0.26 fills them: prompt
+    logprobs hold nothing at position 0, then one entry per position (the token itself, `prompt_logprobs=0`), as
+    `FlatLogprobs` lists or as one dict per position."""
+    prompts = [[5, 6], [7]]
+    sampled = [
+        SimpleNamespace(outputs=[SimpleNamespace(token_ids=[8, 9])]),
+        SimpleNamespace(outputs=[SimpleNamespace(token_ids=[4])]),
+    ]
+    requests = G.rescore_requests(prompts, sampled)
+    assert requests == [{"prompt_token_ids": [5, 6, 8, 9]}, {"prompt_token_ids": [7, 4]}]
+    flat = SimpleNamespace(
+        prompt_token_ids=[5, 6, 8, 9],
+        prompt_logprobs=SimpleNamespace(start_indices=[0, 0, 1, 2], logprobs=[-1.0, -2.0, -3.0]),
+    )
+    nested = SimpleNamespace(prompt_token_ids=[7, 4], prompt_logprobs=[None, {4: SimpleNamespace(logprob=-0.5)}])
+    assert G.rescored_logprobs([flat, nested], [2, 1]) == [[-2.0, -3.0], [-0.5]]
+    found = G.agreement([[-2.1, None], [-0.5]], [[-2.0, -3.0], [-0.5]])
+    assert found == {"tokens": 2, "max_abs": 0.1, "mean_abs": 0.05, "mean": -0.05}
+    assert G.variant_sampling({"logprobs": 0, "max_tokens": 16}, "rescore") == {
+        "logprobs": None,
+        "max_tokens": 16,
+        "detokenize": False,
+    }
+    assert G.RESCORE["prompt_logprobs"] == 0 and G.RESCORE["max_tokens"] == 1
