@@ -288,21 +288,7 @@ def train(
         dist = resolved.recipe.distributed
         note = slurm_note(os.environ, dist.nnodes, sources["nnodes"])
         if dry_run:
-            print(f"# run dir (not created): {plan.run_dir}")
-            for key in NODE_KEYS:  # where the node settings came from (all of them on several nodes)
-                if dist.nnodes > 1 or sources[key] != "default":
-                    print(f"# distributed.{key} = {getattr(dist, key)}  ({sources[key]})")
-            if dist.nnodes > 1:
-                print(f"# recipe hash: {plan.recipe_hash} (must be the same on every node)")
-            if note:
-                print(f"# note: {note}")
-            for line in choice_lines(resolved) + forecast_lines(resolved):
-                print(f"# {line}")
-            if plan.resume_from is not None:
-                print(f"# resumes from {plan.resume_from}")
-            if resolved.recipe.output.push_to_hub is not None:
-                print(f"# pushes {push_line(resolved.recipe.output)}")
-            print(plan.command_line())
+            _print_dry_run(resolved, plan, sources, note)
             return
         if gpus is not None or gpu_memory is not None:
             raise UserError(
@@ -322,15 +308,7 @@ def train(
         code = _launch(plan, lock, verbose, Watchdog.for_run(resolved, plan.run_dir))
         summary = summarize(plan.run_dir)
         if summary["steps"]:
-            table = Table(title="run summary")
-            for col in ("steps", "reward first → last", "train time"):
-                table.add_column(col)
-            table.add_row(
-                str(summary["steps"]),
-                f"{summary['reward_first']:.3f} → {summary['reward_last']:.3f}",
-                f"{summary['train_s']:.1f} s",
-            )
-            console.print(table)
+            console.print(_run_summary(summary))
         output = resolved.recipe.output
         if code == 0 and output.push_to_hub is not None and dist.node_rank == 0:
             code = push_to_hub(plan.run_dir, output.push_to_hub, output.hub_private, console)
@@ -340,6 +318,42 @@ def train(
     finally:
         if lock is not None:
             lock.release()
+
+
+def _print_dry_run(resolved, plan, sources: dict[str, str], note: str | None) -> None:
+    """What `train --dry-run` prints: the run dir, where the node settings came from, every automatic choice and the
+    forecast as comments, then the torchrun command line."""
+    from colocate_rl.plan.sources import NODE_KEYS
+
+    dist = resolved.recipe.distributed
+    print(f"# run dir (not created): {plan.run_dir}")
+    for key in NODE_KEYS:  # where the node settings came from (all of them on several nodes)
+        if dist.nnodes > 1 or sources[key] != "default":
+            print(f"# distributed.{key} = {getattr(dist, key)}  ({sources[key]})")
+    if dist.nnodes > 1:
+        print(f"# recipe hash: {plan.recipe_hash} (must be the same on every node)")
+    if note:
+        print(f"# note: {note}")
+    for line in choice_lines(resolved) + forecast_lines(resolved):
+        print(f"# {line}")
+    if plan.resume_from is not None:
+        print(f"# resumes from {plan.resume_from}")
+    if resolved.recipe.output.push_to_hub is not None:
+        print(f"# pushes {push_line(resolved.recipe.output)}")
+    print(plan.command_line())
+
+
+def _run_summary(summary: dict) -> Table:
+    """The table `train` prints after a run that logged steps."""
+    table = Table(title="run summary")
+    for col in ("steps", "reward first → last", "train time"):
+        table.add_column(col)
+    table.add_row(
+        str(summary["steps"]),
+        f"{summary['reward_first']:.3f} → {summary['reward_last']:.3f}",
+        f"{summary['train_s']:.1f} s",
+    )
+    return table
 
 
 def _command() -> str:
