@@ -385,3 +385,24 @@ def _spin_on(cpu: int, seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+def test_an_answer_awaited_longer_than_the_limit_is_reported_once_with_the_processes_pid(tmp_path):
+    """The rank's wait for an engine process's answer: past `long_wait_s` it is told once (pid, the wait's start),
+    and the answer still arrives. The engine process is a stand-in that is alive and answers late (its other end of
+    the pipe, here); the pipe is real."""
+    import multiprocessing
+    import threading
+    from types import SimpleNamespace
+
+    mine, theirs = multiprocessing.Pipe()
+    told = []
+    eng = P.ProcessEngine(
+        spec(tmp_path), tiny_model(), no_gather, bucket_bytes=4096, check_weights=False, device="cpu",
+        on_long_wait=lambda pid, since: told.append((pid, since)), long_wait_s=0.2,
+    )  # fmt: skip
+    child = P.Child(SimpleNamespace(pid=4242, is_alive=lambda: True), mine)
+    begin = time.time()
+    threading.Timer(2.5, lambda: theirs.send((7, "ok", "late", True))).start()
+    assert eng._await(child, 7) == "late"
+    assert len(told) == 1 and told[0][0] == 4242 and begin - 0.1 <= told[0][1] <= begin + 0.5

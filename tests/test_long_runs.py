@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -102,6 +103,43 @@ def test_the_watchdog_names_the_rank_that_stopped_progressing(tmp_path):
     assert first.check() is None  # no timeline yet: the start allowance applies
     now[0] += 2
     assert first.check().startswith("rank 2 did not end its first step for 10.0 min")
+
+
+def test_the_watchdog_names_the_engine_process_a_stuck_rank_waits_for(tmp_path, monkeypatch):
+    """A rank that reported (`engine_wait`) waiting for its engine process since after its last step: the watchdog
+    names it first (the other rank waits for it in a collective) with that process and its state (here a stopped
+    stand-in); a wait reported before that step is not named."""
+    now = [1000.0]
+    paths = RunDir(tmp_path)
+    paths.timeline_dir.mkdir()
+    for rank in (0, 1):
+        paths.timeline(rank).write_text(json.dumps({"rank": rank, "pid": os.getpid()}) + "\n" + '{"step_end": 1}\n')
+    dog = Watchdog(tmp_path, [0, 1], step_timeout_s=60, start_timeout_s=600, clock=lambda: now[0])
+    assert dog.check() is None  # progress noted at t = 1000 for both
+    with paths.timeline(1).open("a") as f:
+        f.write('{"step_end": 2}\n')
+    now[0] = 1001.0
+    assert dog.check() is None  # rank 1's progress at t = 1001: rank 0 is idle longer
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stand_in = psutil.Process(engine.pid)
+        stand_in.suspend()
+        deadline = time.monotonic() + 10
+        while stand_in.status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:  # SIGSTOP lands async
+            time.sleep(0.01)
+        monkeypatch.setenv("RANK", "1")
+        events.emit(tmp_path, events.ENGINE_WAIT, pid=12345, since=990.0)  # before the last progress: not this wait
+        now[0] = 1062.0
+        assert dog.check().startswith("rank 0 (also rank 1) ended no step for 1.0 min; stopped the job")
+        events.emit(tmp_path, events.ENGINE_WAIT, pid=engine.pid, since=1005.0)
+        message = dog.check()
+        assert message.startswith(
+            f"rank 1 (also rank 0) ended no step for 1.0 min, waiting for an answer from its generation engine "
+            f"process (pid {engine.pid}, stopped); stopped the job"
+        ), message
+    finally:
+        engine.kill()
+        engine.wait()
 
 
 @pytest.mark.slow

@@ -83,12 +83,37 @@ class Watchdog:
         if not stuck:
             return None
         # A rank that waits for a stuck one is stuck too: name first the ones that are not running at all
-        # (stopped, suspended, zombie), then the one idle longest.
-        stuck.sort(key=lambda s: (not self._halted(s[0]), -s[2]))
+        # (stopped, suspended, zombie), then those waiting for their own engine process, then the one idle longest.
+        waits = {rank: self._engine_wait(rank, now - idle) for rank, _, idle in stuck}
+        stuck.sort(key=lambda s: (not self._halted(s[0]), not waits[s[0]], -s[2]))
         rank, started, idle = stuck[0]
         what = "ended no step" if started else "did not end its first step"
         if self._halted(rank):
             what = f"is not running ({self._halted(rank)}) and {what}"
         others = f" (also rank {', '.join(str(r) for r, _, _ in stuck[1:])})" if len(stuck) > 1 else ""
         key = "watchdog.step_timeout_minutes" if started else "watchdog.start_timeout_minutes"
-        return f"rank {rank}{others} {what} for {idle / 60:.1f} min; stopped the job (raise {key} if its steps are that slow)"
+        return (
+            f"rank {rank}{others} {what} for {idle / 60:.1f} min{waits[rank]}; stopped the job (raise {key} if its "
+            "steps are that slow)"
+        )
+
+    def _engine_wait(self, rank: int, since: float) -> str:
+        """`, waiting for its generation engine process …` when the rank reported (`engine_wait`) a wait for an
+        answer that began after its last progress; else nothing."""
+        import psutil
+
+        from colocate_rl.telemetry import events
+
+        waits = [
+            e
+            for e in events.read_events(self.paths.path, events.ENGINE_WAIT)
+            if e.get("rank") == rank and isinstance(e.get("since"), (int, float)) and e["since"] >= since - 1
+        ]
+        if not waits:
+            return ""
+        pid = waits[-1].get("pid")
+        try:
+            state = psutil.Process(pid).status()
+        except (psutil.Error, TypeError, ValueError):
+            state = "exited"
+        return f", waiting for an answer from its generation engine process (pid {pid}, {state})"

@@ -22,6 +22,7 @@ import contextlib
 import functools
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,12 +63,24 @@ class ProcessEngine(GenerationEngine):
     push from the one staging buffer."""
 
     def __init__(
-        self, spec: dict[str, Any], model, gather, *, bucket_bytes: int, check_weights: bool, device, processes=1
+        self,
+        spec: dict[str, Any],
+        model,
+        gather,
+        *,
+        bucket_bytes: int,
+        check_weights: bool,
+        device,
+        processes=1,
+        on_long_wait: Callable[[int, float], None] | None = None,
+        long_wait_s: float = float("inf"),
     ):
         """`spec`: what `serve` builds (`vllm_spec` / `transformers_spec`), divided among `processes` engine
         processes by `child_specs`; `model`: the trainer's (unwrapped) model, whose weights are pushed;
-        `gather(params)`: makes ZeRO-3 parameters whole."""
+        `gather(params)`: makes ZeRO-3 parameters whole; `on_long_wait(pid, since)`: told once per answer awaited
+        longer than `long_wait_s` (since: the wait's start, unix time)."""
         self.spec, self.model, self.gather = spec, model, gather
+        self.on_long_wait, self.long_wait_s = on_long_wait, long_wait_s
         self.specs = child_specs(spec, processes)
         self.bucket_bytes, self.check, self.device = bucket_bytes, check_weights, torch.device(device)
         self.returns_logprobs = spec["kind"] == "vllm"
@@ -160,9 +173,13 @@ class ProcessEngine(GenerationEngine):
         )
 
     def _receive(self, child: Child) -> None:
+        started, told = time.monotonic(), self.on_long_wait is None
         while not child.conn.poll(POLL_S):
             if not child.process.is_alive() and not child.conn.poll(0):
                 raise self._died(child)
+            if not told and time.monotonic() - started > self.long_wait_s:
+                told = True
+                self.on_long_wait(child.process.pid, time.time() - (time.monotonic() - started))
         try:
             ident, status, value, valid = child.conn.recv()
         except (EOFError, OSError):
@@ -268,10 +285,15 @@ class ProcessEngine(GenerationEngine):
 # ---------------------------------------------------------------------------------------------- specs (rank side)
 
 
-def process_engine(trainer, launch, options, run_dir, seed: int) -> ProcessEngine:
+def process_engine(trainer, launch, options, run_dir, seed: int, long_wait_s: float | None = None) -> ProcessEngine:
     """The engine process for a TRL trainer: colocate-rl's vLLM engine as `vllm_engine.from_trainer` builds it for the
-    rank, or transformers without vLLM; weight buckets and the check as the engine `options` say."""
+    rank, or transformers without vLLM; weight buckets and the check as the engine `options` say. An answer awaited
+    longer than `long_wait_s` is reported as an `engine_wait` event (for the watchdog to name the process)."""
     from colocate_rl.rank.adapter.trl import gather_params
+    from colocate_rl.telemetry import events
+
+    def note(pid: int, since: float) -> None:
+        events.emit(run_dir, events.ENGINE_WAIT, pid=pid, since=round(since, 3))
 
     accelerator = trainer.accelerator
     if launch.backend == "vllm":
@@ -288,6 +310,8 @@ def process_engine(trainer, launch, options, run_dir, seed: int) -> ProcessEngin
         check_weights=options.check_weights,
         device=accelerator.device,
         processes=options.processes,
+        on_long_wait=note if long_wait_s is not None and run_dir is not None else None,
+        long_wait_s=long_wait_s if long_wait_s is not None else float("inf"),
     )
 
 

@@ -94,15 +94,17 @@ def telemetry_extras(telemetry):
     return extras
 
 
-def engine_factory(launch: LaunchSpec, run_dir: Path, seed: int, generation):
+def engine_factory(launch: LaunchSpec, run_dir: Path, seed: int, generation, step_timeout_minutes: float | None = None):
     """`factory(trainer) -> GenerationEngine` for the run's backend, and whether TRL builds its own vLLM engine
-    (`generation`: the recipe's section, whose engine options an engine process without vLLM takes too)."""
+    (`generation`: the recipe's section, whose engine options an engine process without vLLM takes too). An engine
+    process reports an answer awaited for half the watchdog's step timeout (`step_timeout_minutes`)."""
     if launch.engine_process:
         from colocate_rl.plan.engine_options import EngineOptions
         from colocate_rl.rank.engine_process import process_engine
 
         options = launch.engine or EngineOptions.from_generation(generation)
-        return (lambda trainer: process_engine(trainer, launch, options, run_dir, seed)), False
+        long_wait_s = step_timeout_minutes * 30 if step_timeout_minutes is not None else None
+        return (lambda trainer: process_engine(trainer, launch, options, run_dir, seed, long_wait_s)), False
     if launch.backend != "vllm":
         from colocate_rl.rank.hf_engine import transformers_engine
 
@@ -210,7 +212,9 @@ def build_trainer(run_dir: Path):
     config = Config(**config_args(Config, launch.trl_args))
     # The process group is up now (DeepSpeed or accelerate): all nodes must run the same recipe.
     check_same_recipe(run_dir, launch.recipe_hash)
-    factory, trl_builds_vllm = engine_factory(launch, run_dir, recipe.trainer.seed, recipe.generation)
+    factory, trl_builds_vllm = engine_factory(
+        launch, run_dir, recipe.trainer.seed, recipe.generation, recipe.watchdog.step_timeout_minutes
+    )
     trainer = adapter.engine_trainer(Trainer)(
         model=launch.model_path,
         reward_funcs=rewards,

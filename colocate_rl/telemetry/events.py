@@ -7,6 +7,8 @@ event (lines of different ranks do not interleave). Kinds and their fields:
 - `user_error`: `lines` — a UserError a rank stopped on (e.g. the nodes run different recipes); exit code 2.
 - `stale_weights`: `message` — vLLM was not generating from the trainer's current weights; exit code 3.
 - `engine_failed`: `message` — the generation engine's own process failed or ended (`generation.engine_process`).
+- `engine_wait`: `pid`, `since` (unix time) — a rank has waited for an answer from its engine process for half the
+  watchdog's step timeout; the watchdog names that process if the rank is then stuck.
 - `reward_failed`: `message` — a process that scored a reward (`rewards[i].processes`) died; exit code 1.
 - `engine_memory`: `awake_gib`, `asleep_gib` (None with sleep level 0), `sleep_level`, `config` — the GPU memory the
   colocated vLLM engine took at start-up by the driver's count, and the engine settings vLLM built.
@@ -30,6 +32,7 @@ from colocate_rl.rundir import RunDir, read_jsonl
 USER_ERROR = "user_error"
 STALE_WEIGHTS = "stale_weights"
 ENGINE_FAILED = "engine_failed"
+ENGINE_WAIT = "engine_wait"
 REWARD_FAILED = "reward_failed"
 ENGINE_MEMORY = "engine_memory"
 CHECKPOINT = "checkpoint"
