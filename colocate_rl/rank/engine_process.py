@@ -173,13 +173,13 @@ class ProcessEngine(GenerationEngine):
         )
 
     def _receive(self, child: Child) -> None:
-        started, told = time.monotonic(), self.on_long_wait is None
+        started, since, told = time.monotonic(), time.time(), self.on_long_wait is None
         while not child.conn.poll(POLL_S):
             if not child.process.is_alive() and not child.conn.poll(0):
                 raise self._died(child)
             if not told and time.monotonic() - started > self.long_wait_s:
                 told = True
-                self.on_long_wait(child.process.pid, time.time() - (time.monotonic() - started))
+                self.on_long_wait(child.process.pid, since)
         try:
             ident, status, value, valid = child.conn.recv()
         except (EOFError, OSError):
@@ -285,7 +285,7 @@ class ProcessEngine(GenerationEngine):
 # ---------------------------------------------------------------------------------------------- specs (rank side)
 
 
-def process_engine(trainer, launch, options, run_dir, seed: int, long_wait_s: float | None = None) -> ProcessEngine:
+def process_engine(trainer, launch, options, run_dir, seed: int, long_wait_s: float = float("inf")) -> ProcessEngine:
     """The engine process for a TRL trainer: colocate-rl's vLLM engine as `vllm_engine.from_trainer` builds it for the
     rank, or transformers without vLLM; weight buckets and the check as the engine `options` say. An answer awaited
     longer than `long_wait_s` is reported as an `engine_wait` event (for the watchdog to name the process)."""
@@ -310,8 +310,8 @@ def process_engine(trainer, launch, options, run_dir, seed: int, long_wait_s: fl
         check_weights=options.check_weights,
         device=accelerator.device,
         processes=options.processes,
-        on_long_wait=note if long_wait_s is not None and run_dir is not None else None,
-        long_wait_s=long_wait_s if long_wait_s is not None else float("inf"),
+        on_long_wait=note,
+        long_wait_s=long_wait_s,
     )
 
 

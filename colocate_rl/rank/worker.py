@@ -103,7 +103,7 @@ def engine_factory(launch: LaunchSpec, run_dir: Path, seed: int, generation, ste
         from colocate_rl.rank.engine_process import process_engine
 
         options = launch.engine or EngineOptions.from_generation(generation)
-        long_wait_s = step_timeout_minutes * 30 if step_timeout_minutes is not None else None
+        long_wait_s = step_timeout_minutes * 60 / 2 if step_timeout_minutes is not None else float("inf")
         return (lambda trainer: process_engine(trainer, launch, options, run_dir, seed, long_wait_s)), False
     if launch.backend != "vllm":
         from colocate_rl.rank.hf_engine import transformers_engine
