@@ -120,7 +120,8 @@ def test_the_1e_2e_and_4e_arms_are_their_runs_with_that_many_engine_processes(tm
         return recipe_of(B.command(arm, "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / arm, 12, []))
 
     for one, several, n in (("overlap", "overlap-1e", 1), ("overlap", "overlap-2e", 2), ("process", "process-1e", 1),
-                            ("process", "process-2e", 2), ("process", "process-4e", 4)):  # fmt: skip
+                            ("process", "process-2e", 2), ("process", "process-4e", 4),
+                            ("overlap", "overlap-4e", 4)):  # fmt: skip
         base, arm = recipe(one), recipe(several)
         assert (base.generation.engine_processes, arm.generation.engine_processes) == ("auto", n)
         assert arm.generation == base.generation.model_copy(update={"engine_processes": n})

@@ -73,6 +73,11 @@ class Generation:
     engine_usage: dict[str, float] | None = None
 
     @staticmethod
+    def empty(with_logprobs: bool) -> Generation:
+        """No completion (no prompt): its logprobs an empty list where the engine returns them."""
+        return Generation([], [] if with_logprobs else None)
+
+    @staticmethod
     def joined(parts: list[Generation], at_once: bool) -> Generation:
         """The generations of one batch's parts (at least one), in order, as one; no logprobs if a part has none.
         `engine_usage` is summed over the parts, but for parts generated `at_once` (by engine processes side by side)

@@ -228,7 +228,7 @@ class ProcessEngine(GenerationEngine):
         """Each engine process gets its contiguous part of `prompt_ids` (a prompt's copies stay together where the
         split allows: vLLM reuses their prefix); the result joins the parts in order."""
         if not prompt_ids:
-            return Pending(lambda: Generation([], [] if self.returns_logprobs else None))
+            return Pending(lambda: Generation.empty(self.returns_logprobs))
         if not all(child.weights_valid for child in self.children):
             self.push_weights()  # sleep level 2 dropped them after the last generation
         parts = [(child, part) for child, part in zip(self.children, split(prompt_ids, len(self.children))) if part]

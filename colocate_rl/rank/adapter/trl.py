@@ -165,8 +165,7 @@ class _EngineHooks:
             self._push_if_stale()
             step = self.engine.max_batch or max(len(prompt_ids), 1)
             parts = [self.engine.generate(prompt_ids[i : i + step], sampling) for i in range(0, len(prompt_ids), step)]
-            empty = Generation([], [] if self.engine.returns_logprobs else None)
-            out = Generation.joined(parts, at_once=False) if parts else empty
+            out = Generation.joined(parts, at_once=False) if parts else Generation.empty(self.engine.returns_logprobs)
             self._log_engine_usage(out)
             return out
 
