@@ -183,6 +183,49 @@ def test_memory_and_summary_gpu(tmp_path):
     assert [t.rank for t in run.timelines] == [0, 1] and run.timelines[1].device == "cuda:1"
 
 
+def test_summary_of_an_overlapped_run_says_how_much_generation_overlap_hid(tmp_path):
+    """Medians over steps 2-6: the engine process's seconds a batch, the share generated ahead, the part of it the
+    ahead steps did not wait for (1 - wait / engine), and TRL's sampling metrics; a run without them has no rows."""
+    path = make_run(tmp_path / "run", sleep=False)
+    lines = (path / "metrics.jsonl").read_text().splitlines()
+    fields = {  # step → (engine s, ahead, generate phase s = the wait, IS ratio mean, logprob gap mean)
+        1: (9.0, 0, 9.0, 0.9, 0.01),
+        2: (2.4, 1, 0.5, 0.80, 0.04),
+        3: (2.5, 1, 1.0, 0.82, 0.05),
+        4: (2.6, 1, 0.5, 0.70, 0.03),
+        5: (2.5, 0, 2.5, 0.90, 0.02),
+        6: (2.5, 1, 0.5, 0.75, 0.04),
+    }
+    for i, (engine, ahead, wait, ratio, gap) in fields.items():
+        record = json.loads(lines[i - 1])
+        record.update({
+            "engine_process/generate_s": engine,
+            "overlap/ahead": float(ahead),
+            "time/generate_s": wait,
+            "sampling/importance_sampling_ratio/mean": ratio,
+            "sampling/sampling_logp_difference/mean": gap,
+        })  # fmt: skip
+        lines[i - 1] = json.dumps(record)
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    summary = rep.run_summary(rep.load_run(path))
+    assert summary["engine generation s/batch (median)"] == pytest.approx(2.5)
+    assert summary["batches generated a step ahead (%)"] == pytest.approx(80.0)
+    assert summary["generation hidden by overlap (%)"] == pytest.approx(80.0)  # wait 0.5 of 2.5 s
+    assert summary["importance-sampling ratio (median)"] == pytest.approx(0.80)
+    assert summary["|sampler − trainer| logprob (median)"] == pytest.approx(0.04)
+    text = "".join(rendered(rep.tables([rep.load_run(path)])).replace("│", "").split())  # rows without spacing
+    for row in (
+        "s/batch(median)2.50",
+        "ahead(%)80",
+        "overlap(%)80",
+        "ratio(median)0.800",
+        "trainer|logprob(median)0.040",
+    ):
+        assert row in text
+    plain = rep.run_summary(rep.load_run(make_run(tmp_path / "plain")))
+    assert not any("engine" in k or "ahead" in k or "sampl" in k for k in plain)
+
+
 def test_cpu_run_has_rss_only(tmp_path):
     run = rep.load_run(make_run(tmp_path / "cpu", gpu=False))
     assert rep.memory_stats(run) == {"RSS after optimizer step": (1.3, 1.3), "RSS peak during step": (1.8, 1.8)}

@@ -91,7 +91,39 @@ def run_summary(run: Run) -> dict[str, float | str]:
     if run.evals:
         out["eval reward (first eval)"] = run.evals[0]["eval/reward"]
         out["eval reward (last eval)"] = run.evals[-1]["eval/reward"]
-    return {**out, **forecast_vs_measured(run)}
+    return {**out, **engine_summary(run), **forecast_vs_measured(run)}
+
+
+def _median(steps: list[dict], key: str) -> float | None:
+    values = [v for r in steps if (v := finite(r, key)) is not None]
+    return statistics.median(values) if values else None
+
+
+def engine_summary(run: Run) -> dict[str, float]:
+    """With the engine in its own process, medians over the steps after the first: its generation seconds a batch
+    and, with overlap, the share of batches generated a step ahead and how much of their generation the steps did not
+    wait for;
+    with vLLM, TRL's importance-sampling ratio and absolute sampler-trainer logprob difference (step means). No row
+    for a field the run lacks."""
+    steps = run.steps[1:] or run.steps
+    out: dict[str, float] = {}
+    engine = _median(steps, "engine_process/generate_s")
+    if engine is not None:
+        out["engine generation s/batch (median)"] = engine
+    ahead = [v for r in steps if (v := finite(r, "overlap/ahead")) is not None]
+    if ahead:
+        out["batches generated a step ahead (%)"] = 100 * sum(ahead) / len(ahead)
+        overlapped = [r for r in steps if r.get("overlap/ahead") == 1]
+        wait, made = _median(overlapped, "time/generate_s"), _median(overlapped, "engine_process/generate_s")
+        if wait is not None and made:  # the steps' generate phase is only the wait for a batch made ahead
+            out["generation hidden by overlap (%)"] = max(0.0, 100 * (1 - wait / made))
+    for label, key in (
+        ("importance-sampling ratio (median)", "sampling/importance_sampling_ratio/mean"),
+        ("|sampler − trainer| logprob (median)", "sampling/sampling_logp_difference/mean"),
+    ):
+        if (value := _median(steps, key)) is not None:
+            out[label] = value
+    return out
 
 
 def _versus(forecast: float, measured: float) -> str:
@@ -133,8 +165,12 @@ def forecast_vs_measured(run: Run) -> dict[str, str]:
     return out
 
 
-SUMMARY_FORMATS = {
+SUMMARY_FORMATS = {  # the first key in a row's label gives its format
     "reward": ".3f",
+    "s/batch": ".2f",
+    "(%)": ".0f",
+    "ratio": ".3f",
+    "logprob": ".3f",
     "tool calls": ".2f",
     "s/step": ".2f",
     "tokens/s": ",.0f",
