@@ -98,6 +98,14 @@ def test_all_schema_errors_are_listed_at_once():
             "generation) is not divisible by num_generations (4); change one of them",
         ),
         (
+            with_(
+                generation={"overlap": "one_step", "engine_processes": 3}, trainer={"per_device_train_batch_size": 2}
+            ),
+            CPU,
+            "generation.engine_processes: 3 is more than the completions a rank generates at once (2: the generation "
+            "batch 4 over 2 ranks), so some would only hold memory; set at most 2",
+        ),
+        (
             with_(generation={"backend": "vllm"}),
             CPU,
             "generation.backend: 'vllm' but vLLM is not installed here; install the GPU extra (pip install "

@@ -16,7 +16,7 @@ from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deeps
 from colocate_rl.plan.engine_options import ENGINE_ONLY_KEYS
 from colocate_rl.plan.evaluation import check_eval_schedule
 from colocate_rl.plan.host import Host
-from colocate_rl.plan.overlap import check_overlap
+from colocate_rl.plan.overlap import check_overlap, engine_in_process
 from colocate_rl.plan.preflight import Preflight
 from colocate_rl.plan.resolved import Resolved
 from colocate_rl.plan.tools import check_tool_layout
@@ -117,7 +117,7 @@ def _precision(recipe: Recipe, host: Host) -> tuple[str, str, list[str]]:
 
 
 def _check_batch(recipe: Recipe, nproc: int) -> list[str]:
-    """Tensor-parallel groups, generation batch vs num_generations, context length."""
+    """Tensor-parallel groups, generation batch vs num_generations and engine processes, context length."""
     dist, gen, trainer, problems = recipe.distributed, recipe.generation, recipe.trainer, []
     if nproc % gen.tensor_parallel_size:
         problems.append(
@@ -137,6 +137,14 @@ def _check_batch(recipe: Recipe, nproc: int) -> list[str]:
             f"{trainer.per_device_train_batch_size} × {world} ranks × steps per generation) is not divisible by "
             f"num_generations ({trainer.num_generations}); change one of them"
         )
+    copies = gen.engine_processes
+    if isinstance(copies, int) and isinstance(generation_batch, int) and engine_in_process(recipe):
+        if copies > (per_rank := generation_batch // world):
+            problems.append(
+                f"generation.engine_processes: {copies} is more than the completions a rank generates at once "
+                f"({per_rank}: the generation batch {generation_batch} over {world} ranks), so some would only hold "
+                f"memory; set at most {per_rank}"
+            )
     if gen.max_model_length is not None and gen.max_model_length <= trainer.max_completion_length:
         problems.append(
             f"generation.max_model_length: {gen.max_model_length} leaves no room for the prompt; "
