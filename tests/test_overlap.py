@@ -170,6 +170,8 @@ def test_an_overlapped_run_learns_with_each_batch_generated_a_step_ahead(tmp_pat
     assert sum(values[-5:]) / 5 > sum(values[:5]) / 5 + 0.5, values
     log = (run_dir / "train.log").read_text()
     assert log.count("(transformers) ready; staging buffer") == 2  # one engine process per rank
+    stops = [line for line in log.splitlines() if "engine process stopped in" in line]
+    assert len(stops) == 2 and not any("dropped" in line for line in stops)  # no batch generated after the last step
     assert "overlap one_step, engine in its own process" in out
 
 
@@ -232,6 +234,8 @@ def test_an_overlapped_run_stops_and_resumes_with_every_step_once(tmp_path):
     after = [r["overlap/ahead"] for r in steps if r["step"] > stopped["step"]]
     assert after[0] == 0.0 and set(after[1:]) == {1.0}  # the dropped batch was generated again, then ahead again
     assert RunDir(run_dir).done.exists()
+    stops = [line for line in (run_dir / "train.log").read_text().splitlines() if "processes stopped in" in line]
+    assert len(stops) >= 2 and not any("dropped" in line for line in stops[-2:])  # the resumed run's end: nothing ahead
     evals = {r["step"]: r for r in read_metrics(run_dir) if "eval/reward" in r}
     assert set(range(0, max_steps + 1, 2)) - {stopped["step"]} <= set(evals)  # at 0 and every 2 steps (not the stop's)
     assert all(r["eval/completion_length"] > 0 and 0 <= r["eval/reward"] <= 1 for r in evals.values())

@@ -135,8 +135,10 @@ class ProcessEngine(GenerationEngine):
             if child.process.is_alive():
                 with contextlib.suppress(OSError, EOFError):
                     child.conn.send(("stop", next(self._ids), None))
+        dropped = 0  # batches generated ahead for a step that did not run (each engine process has its part)
         for child in self.children:
-            self._drain_until_exit(child, started + STOP_S)
+            drained = self._drain_until_exit(child, started + STOP_S)
+            dropped = max(dropped, drained + sum(isinstance(a[1], Generation) for a in child.answers.values()))
         for child in self.children:
             if child.process.is_alive():
                 child.process.terminate()
@@ -146,21 +148,29 @@ class ProcessEngine(GenerationEngine):
                 child.process.kill()
                 how = "killed"
         plural = "es" if len(self.children) > 1 else ""
-        print(f"[colocate-rl engine] engine process{plural} {how} in {time.perf_counter() - started:.1f} s", flush=True)
+        note = f"; dropped {dropped} batch{'es' if dropped > 1 else ''} generated ahead for a step that did not run"
+        note = note if dropped else ""
+        print(
+            f"[colocate-rl engine] engine process{plural} {how} in {time.perf_counter() - started:.1f} s{note}",
+            flush=True,
+        )
         self.children = []
 
     @staticmethod
-    def _drain_until_exit(child: Child, deadline: float) -> None:
+    def _drain_until_exit(child: Child, deadline: float) -> int:
         """Read and drop the answers nobody waits for any more (a generation taken ahead for a step that will not
         run) until the process exits: one bigger than the pipe's buffer would block the process's send, and its
-        exit, forever (found on the H200: every overlapped run's stop waited out its 30 s)."""
+        exit, forever (found on the H200: every overlapped run's stop waited out its 30 s). Returns how many of
+        them were generations."""
+        generations = 0
         while child.process.is_alive() and time.perf_counter() < deadline:
             try:
                 if child.conn.poll(0.05):
-                    child.conn.recv()
+                    generations += isinstance(child.conn.recv()[2], Generation)
             except (EOFError, OSError):
                 child.process.join(timeout=max(0.0, deadline - time.perf_counter()))
-                return
+                break
+        return generations
 
     @staticmethod
     def _died(child: Child) -> EngineProcessError:

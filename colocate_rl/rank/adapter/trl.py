@@ -158,7 +158,7 @@ class _EngineHooks:
     def generate_completions(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
         """One completion per prompt from the engine, the trainer's weights pushed first when a step changed them.
         With overlap, a training batch is taken from the generation started one step earlier when it is for these
-        prompts (else generated now), then the next step's batch is started from the current weights."""
+        prompts (else generated now), then the next step's batch is started from the current weights (none at the last step)."""
         if self.overlap and self.model.training:
             return self._overlapped(prompt_ids, sampling)
         with self.phase("generate"):
@@ -180,7 +180,7 @@ class _EngineHooks:
                 self._push_if_stale()
                 out, ahead = self.engine.generate(prompt_ids, sampling), 0.0
             self._push_if_stale()
-            if self._ahead:
+            if self._ahead and self.state.global_step + 1 < self.state.max_steps:  # not after the last step
                 next_ids = tokenize_prompts(self, [row["prompt"] for row in self._ahead[0]])
                 self._pending = (next_ids, sampling, self.engine.submit(next_ids, sampling))
         self._metrics["train"]["overlap/ahead"].append(ahead)
