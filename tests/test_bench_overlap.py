@@ -166,3 +166,33 @@ def test_a_run_that_failed_before_its_first_step_is_a_row_without_figures(tmp_pa
     (tmp_path / "timeline" / "rank0.jsonl").write_text("")
     assert B.training_start(tmp_path) is None
     assert B.figures("overlap", tmp_path, started=0.0)["steps"] == 0
+
+
+def test_the_device_session_script_gives_each_stage_a_command_the_drivers_accept(tmp_path):
+    """benchmarks/overlap_session.sh with EXTRA=--dry-run: every stage but the GPU test prints its drivers' commands
+    (an unknown arm or option would stop a stage with a usage error, found only on the GPU otherwise), and each
+    timed run's recipe parses with the arm's settings."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "EXTRA": "--dry-run", "R": str(tmp_path / "res"), "RUNS": str(tmp_path / "runs")}
+    env.update(M=str(tmp_path / "m"), D=str(tmp_path / "d.jsonl"), STAGES="learn d256 c256 c4e gen d2e")
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "overlap_session.sh")], env=env, timeout=240)
+    assert done.returncode == 0
+    res = tmp_path / "res"
+    stages = [line.split()[1] for line in (res / "progress").read_text().splitlines() if line.startswith("== ")]
+    assert stages == ["learn", "d256", "c256", "c4e", "gen", "d2e", "done"]
+    arms = {}
+    for stage in ("learn", "d256", "c256", "c4e", "d2e"):
+        log = (res / f"{stage}.log").read_text()
+        assert "usage:" not in log and "error" not in log.lower(), log
+        lines = [line for line in log.splitlines() if line.startswith("[")]
+        assert lines, log
+        for line in lines:
+            argv = shlex.split(line.split("] ", 1)[1])
+            if "colocate_rl" in argv:  # a colocate-rl arm (TRL's runs are benchmarks/trl_grpo.py)
+                arms[(stage, argv[argv.index("--run-dir") + 1].rsplit("-", 1)[-1])] = recipe_of(argv)
+    assert arms[("c4e", "4e")].generation.engine_processes == 4
+    assert arms[("d2e", "2e")].generation.engine_processes == 2
+    gen = (res / "gen.log").read_text()
+    assert "--variants trl,lean,rescore" in gen and "usage:" not in gen

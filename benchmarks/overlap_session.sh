@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 28's open measurements on one H200, in order of need, in the background (one device session is ~30 min, so
+# the first stages matter most). From a copy of the repository on the GPU machine with the GPU stack installed and
+# the real model unpacked (../shared/device/stage.sh and ../shared/real-model/build.sh say how):
+#   (setsid nohup bash benchmarks/overlap_session.sh > /tmp/go.log 2>&1 &)
+# then poll /tmp/res/progress (one line per stage and one JSON row per run) and copy /tmp/res back at every poll:
+# the machine can be taken back at any time. STAGES="c256 gen" runs only those; M (the SmolLM2-135M-Instruct
+# directory) defaults to where the real-model unpack puts it, D (the GSM8K-style jsonl) to data/ here (copy
+# ../shared/real-model/data there); results go to R (/tmp/res), run directories to RUNS (/tmp/runs);
+# EXTRA=--dry-run makes the drivers print their commands and run nothing.
+# Stages:
+#   learn   held-out learning (arith, 100 steps), overlap (two engine processes, auto's count) against off, seeds
+#           0-3, all runs at once (--concurrent): the target's "same learning" with two engine processes
+#   d256    the 1.7B shape, TRL at 32 x 8 without checkpointing (colocate-rl's micro-batch there; TRL's 128 x 2
+#           with checkpointing gave the 1.78x) beside overlap
+#   c256    a second invocation of overlap against TRL hand-tuned, A-B-A-B (2.78x / 2.70x in the first)
+#   c4e     four engine processes against two on c256 (each process's loop is one busy CPU core; two gave 1.26x one)
+#   gen     standalone vLLM on c256's batches: with logprobs (as the run), without, and without plus a prefill
+#           rescoring of prompt + completion for the sampled tokens' logprobs, the two logprobs compared
+#   d2e     the 1.7B shape with two engine processes (auto keeps one there)
+#   gputest the overlap GPU test on the real model
+# vmstat throughout.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD HF_HUB_OFFLINE=1
+R=${R:-/tmp/res}
+RUNS=${RUNS:-/tmp/runs}
+mkdir -p $R
+M=${M:-/tmp/real-model/smollm2-135m-instruct}
+D=${D:-$PWD/data/gsm_symbolic_train.jsonl}
+STAGES=${STAGES:-learn d256 c256 c4e gen d2e gputest}
+stage() { echo "== $1 $(date +%T)" >> $R/progress; }
+[ -n "${EXTRA:-}" ] || (setsid nohup vmstat -t 1 > $R/vmstat.txt 2>&1 &)
+B="python benchmarks/bench_overlap.py ${EXTRA:-} --model $M --set output.save_model=false"
+for st in $STAGES; do
+  stage "$st"
+  case $st in
+    learn) $B --out $RUNS/learn --workload arith --steps 100 --order overlap,off --seeds 0,1,2,3 --concurrent \
+             > $R/learn.log 2>&1 ;;
+    d256) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 --order trl-mb32,overlap \
+            > $R/d256.log 2>&1 ;;
+    c256) $B --data "$D" --out $RUNS/c256 --workload c256 --steps 12 --timeout 400 \
+            --order overlap,trl,overlap,trl > $R/c256.log 2>&1 ;;
+    c4e) $B --data "$D" --out $RUNS/c256 --workload c256 --steps 12 --timeout 400 \
+           --order overlap-4e,overlap > $R/c4e.log 2>&1 ;;
+    gen) python benchmarks/bench_generation.py ${EXTRA:-} --out $RUNS/gen --devices 0 --timeout 480 --workloads c256 \
+           --model "$M" --data "$D" --stages colocated,same --variants trl,lean,rescore > $R/gen.log 2>&1
+         cp $RUNS/gen/standalone/*.json $RUNS/gen/*.md $R/ 2>/dev/null ;;
+    d2e) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 --order overlap-2e \
+           > $R/d2e.log 2>&1 ;;
+    gputest) REAL_MODEL_DIR=$M REAL_DATA_DIR=$(dirname "$D") GPU_FIGURES=$R OVERLAP_ORDER=one_step,off \
+               python -m pytest -m gpu -s -q tests/test_gpu.py -k overlap_on_the_real_model > $R/gputest.log 2>&1 ;;
+    *) echo "unknown stage $st" >> $R/progress ;;
+  esac
+  grep -h '^{' $R/"$st".log 2>/dev/null | cut -c1-600 >> $R/progress
+done
+stage done
