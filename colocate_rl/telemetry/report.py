@@ -100,11 +100,10 @@ def _median(steps: list[dict], key: str) -> float | None:
 
 
 def engine_summary(run: Run) -> dict[str, float]:
-    """With the engine in its own process, medians over the steps after the first: its generation seconds a batch
-    and, with overlap, the share of batches generated a step ahead and how much of their generation the steps did not
-    wait for;
-    with vLLM, TRL's importance-sampling ratio and absolute sampler-trainer logprob difference (step means). No row
-    for a field the run lacks."""
+    """Medians over the steps after the first: with the engine in its own process its generation seconds a batch;
+    with overlap the share of batches generated a step ahead and how much of their generation the steps did not
+    wait for; with vLLM TRL's importance-sampling ratio and absolute sampler-trainer logprob difference (step
+    means). No row for a field the run lacks."""
     steps = run.steps[1:] or run.steps
     out: dict[str, float] = {}
     engine = _median(steps, "engine_process/generate_s")

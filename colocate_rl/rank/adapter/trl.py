@@ -158,7 +158,8 @@ class _EngineHooks:
     def generate_completions(self, prompt_ids: list[list[int]], sampling: Sampling) -> Generation:
         """One completion per prompt from the engine, the trainer's weights pushed first when a step changed them.
         With overlap, a training batch is taken from the generation started one step earlier when it is for these
-        prompts (else generated now), then the next step's batch is started from the current weights (none at the last step)."""
+        prompts (else generated now), then the next step's batch is started from the current weights (not at the
+        last step)."""
         if self.overlap and self.model.training:
             return self._overlapped(prompt_ids, sampling)
         with self.phase("generate"):
