@@ -13,7 +13,8 @@
 #           0-3, all runs at once (--concurrent): the target's "same learning" with two engine processes
 #   d256    the 1.7B shape, TRL at 32 x 8 without checkpointing (colocate-rl's micro-batch there; TRL's 128 x 2
 #           with checkpointing gave the 1.78x) beside overlap
-#   c256    a second invocation of overlap against TRL hand-tuned, A-B-A-B (2.78x / 2.70x in the first)
+#   c256    a second invocation of overlap against TRL hand-tuned, A-B-A-B (2.78x / 2.70x in the first; C256_ORDER
+#           changes the order, e.g. overlap,trl,overlap-4e,overlap,trl,overlap-4e)
 #   c4e     four engine processes against two on c256 (each process's loop is one busy CPU core; two gave 1.26x one)
 #   gen     standalone vLLM on c256's batches: with logprobs (as the run), without, and without plus a prefill
 #           rescoring of prompt + completion for the sampled tokens' logprobs, the two logprobs compared
@@ -40,7 +41,7 @@ for st in $STAGES; do
     d256) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 --order trl-mb32,overlap \
             > $R/d256.log 2>&1 ;;
     c256) $B --data "$D" --out $RUNS/c256 --workload c256 --steps 12 --timeout 400 \
-            --order overlap,trl,overlap,trl > $R/c256.log 2>&1 ;;
+            --order "${C256_ORDER:-overlap,trl,overlap,trl}" > $R/c256.log 2>&1 ;;
     c4e) $B --data "$D" --out $RUNS/c256 --workload c256 --steps 12 --timeout 400 \
            --order overlap-4e,overlap > $R/c4e.log 2>&1 ;;
     gen) python benchmarks/bench_generation.py ${EXTRA:-} --out $RUNS/gen --devices 0 --timeout 480 --workloads c256 \
