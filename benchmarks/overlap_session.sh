@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 28's open measurements on one H200, in order of need, in the background (one device session is ~30 min, so
-# the first stages matter most). From a copy of the repository on the GPU machine with the GPU stack installed and
+# the first stages matter most; c256 and c4e ran in invocation M, 2026-12-05). From a copy of the repository on the GPU machine with the GPU stack installed and
 # the real model unpacked (../shared/device/stage.sh and ../shared/real-model/build.sh say how):
 #   (setsid nohup bash benchmarks/overlap_session.sh > /tmp/go.log 2>&1 &)
 # then poll /tmp/res/progress (one line per stage and one JSON row per run) and copy /tmp/res back at every poll:
@@ -13,9 +13,10 @@
 #           0-3, all runs at once (--concurrent): the target's "same learning" with two engine processes
 #   d256    the 1.7B shape, TRL at 32 x 8 without checkpointing (colocate-rl's micro-batch there; TRL's 128 x 2
 #           with checkpointing gave the 1.78x) beside overlap
-#   c256    a second invocation of overlap against TRL hand-tuned, A-B-A-B (2.78x / 2.70x in the first; C256_ORDER
-#           changes the order, e.g. overlap,trl,overlap-4e,overlap,trl,overlap-4e)
-#   c4e     four engine processes against two on c256 (each process's loop is one busy CPU core; two gave 1.26x one)
+#   c256    another invocation of overlap against TRL hand-tuned, A-B-A-B (pooled 2.74x in L, 2.60x in M; C256_ORDER
+#           changes the order, e.g. overlap,trl,overlap-4e,overlap,trl,overlap-4e as in M)
+#   c4e     four engine processes against two on c256 (not in the default stages: in M four ran 2.21 s/step twice,
+#           slower than two, the trainer beside them the limit)
 #   gen     standalone vLLM on c256's batches: with logprobs (as the run), without, and without plus a prefill
 #           rescoring of prompt + completion for the sampled tokens' logprobs, the two logprobs compared
 #   d2e     the 1.7B shape with two engine processes (auto keeps one there)
@@ -29,7 +30,7 @@ RUNS=${RUNS:-/tmp/runs}
 mkdir -p $R
 M=${M:-/tmp/real-model/smollm2-135m-instruct}
 D=${D:-$PWD/data/gsm_symbolic_train.jsonl}
-STAGES=${STAGES:-learn d256 c256 c4e gen d2e gputest}
+STAGES=${STAGES:-learn d256 gen c256 d2e gputest}
 stage() { echo "== $1 $(date +%T)" >> $R/progress; }
 [ -n "${EXTRA:-}" ] || (setsid nohup vmstat -t 1 > $R/vmstat.txt 2>&1 &)
 B="python benchmarks/bench_overlap.py ${EXTRA:-} --model $M --set output.save_model=false"
