@@ -84,7 +84,10 @@ class Watchdog:
             return None
         # A rank that waits for a stuck one is stuck too: name first the ones that are not running at all
         # (stopped, suspended, zombie), then those waiting for their own engine process, then the one idle longest.
-        waits = {rank: self._engine_wait(rank, now - idle) for rank, _, idle in stuck}
+        from colocate_rl.telemetry import events
+
+        reported = events.read_events(self.paths.path, events.ENGINE_WAIT)
+        waits = {rank: self._engine_wait(reported, rank, now - idle) for rank, _, idle in stuck}
         stuck.sort(key=lambda s: (not self._halted(s[0]), not waits[s[0]], -s[2]))
         rank, started, idle = stuck[0]
         what = "ended no step" if started else "did not end its first step"
@@ -97,16 +100,15 @@ class Watchdog:
             "steps are that slow)"
         )
 
-    def _engine_wait(self, rank: int, since: float) -> str:
-        """`, waiting for its generation engine process …` when the rank reported (`engine_wait`) a wait for an
-        answer that began after its last progress; else nothing."""
+    @staticmethod
+    def _engine_wait(reported: list[dict], rank: int, since: float) -> str:
+        """`, waiting for its generation engine process …` when the rank reported (`engine_wait` events: `reported`)
+        a wait for an answer that began after its last progress; else nothing."""
         import psutil
-
-        from colocate_rl.telemetry import events
 
         waits = [
             e
-            for e in events.read_events(self.paths.path, events.ENGINE_WAIT)
+            for e in reported
             if e.get("rank") == rank and isinstance(e.get("since"), (int, float)) and e["since"] >= since - 1
         ]
         if not waits:

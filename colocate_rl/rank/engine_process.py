@@ -148,8 +148,9 @@ class ProcessEngine(GenerationEngine):
                 child.process.kill()
                 how = "killed"
         plural = "es" if len(self.children) > 1 else ""
-        note = f"; dropped {dropped} batch{'es' if dropped > 1 else ''} generated ahead for a step that did not run"
-        note = note if dropped else ""
+        note = ""
+        if dropped:
+            note = f"; dropped {dropped} batch{'es' if dropped > 1 else ''} generated ahead for a step that did not run"
         print(
             f"[colocate-rl engine] engine process{plural} {how} in {time.perf_counter() - started:.1f} s{note}",
             flush=True,

@@ -73,9 +73,8 @@ def run_summary(run: Run) -> dict[str, float | str]:
         step_s = [(wb - wa) / n for wa, wb, n in pairs if wa is not None and wb is not None and n > 0]
     if step_s:
         out["median s/step"] = statistics.median(step_s)
-    tokens = [v for r in run.steps if (v := finite(r, "gen/tokens_per_s")) is not None]
-    if tokens:
-        out["generated tokens/s (median)"] = statistics.median(tokens)
+    if (tokens := _median(run.steps, "gen/tokens_per_s")) is not None:
+        out["generated tokens/s (median)"] = tokens
     both = [
         (o, s)
         for r in run.steps
