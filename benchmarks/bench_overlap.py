@@ -78,6 +78,9 @@ TRL_BY_HAND = {
     ("trl-mb32", "c256"): (32, 8, 0.3, False),
     ("trl-mb32", "d256"): (32, 8, 0.3, False),
 }
+# --concurrent: runs on the GPU at once. On the H200 eight arith runs at once (two of them with two engine processes)
+# ran out of GPU memory as they started (2026-12-05, invocation N-arith); four ran in F-arith and I-arith, six in N.
+AT_ONCE = 4
 CONCURRENT_KV = "2GiB"  # --concurrent: each run's KV cache (135M: ~90k tokens; a step needs 64 x <= 512)
 ARITH = [  # the learning workload: a task SmolLM2-135M learns (stack facts: held-out 0.115 -> 0.295 in 120 steps)
     "data.source=builtin:arithmetic",
@@ -342,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="sets", action="append", default=[], help="to every colocate-rl run, last")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--concurrent", action="store_true",
-                   help="learning only: the first run alone until it trains, then all others at once on the GPU "
-                        "(no s/step or GPU peak in their rows)")  # fmt: skip
+                   help="learning only: the first run alone until it trains, then the others beside it on the GPU, "
+                        "--at-once at a time (no s/step or GPU peak in their rows)")  # fmt: skip
+    p.add_argument("--at-once", type=int, default=AT_ONCE, help=f"--concurrent: runs on the GPU at once ({AT_ONCE})")
     p.add_argument("--table", action="store_true", help="only rewrite OUT/table.md from OUT/results.jsonl")
     a = p.parse_args(argv)
     results_file = a.out / "results.jsonl"
@@ -361,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--order: the arith workload compares overlap and off only")
     if a.concurrent and any(arm.endswith("-mps") for arm in order):
         p.error("--concurrent: an -mps arm runs with an MPS daemon of its own; run it alone")
+    if a.at_once < 1:
+        p.error("--at-once: 1 or more")
     if a.concurrent and a.workload != "arith":
         p.error("--concurrent: only the arith workload (learning curves); timed workloads run one at a time")
     if a.concurrent:  # a fixed KV cache: vLLM then does not size it from a GPU the other runs are filling
@@ -378,13 +384,15 @@ def main(argv: list[str] | None = None) -> int:
                                                                   a.steps, a.sets, seed)))  # fmt: skip
     for run in runs:
         print(f"[{run.order}/{len(runs)}] {shlex.join(run.argv)}", flush=True)
-    if not a.dry_run and a.concurrent:  # the first alone until it trains (vLLM's compile cached), then the rest at once
+    if not a.dry_run and a.concurrent:  # the first alone until it trains (vLLM's compile cached), then in waves
         runs[0].start(a.out, env)
         runs[0].wait_for_first_step(a.timeout)
-        for run in runs[1:]:
-            run.start(a.out, env)
-        for run in runs:
-            run.finish(a, results_file, concurrent=True)
+        for w in range(0, len(runs), a.at_once):
+            wave = runs[w : w + a.at_once]
+            for run in wave[1 if w == 0 else 0 :]:
+                run.start(a.out, env)
+            for run in wave:
+                run.finish(a, results_file, concurrent=True)
     elif not a.dry_run:
         for run in runs:
             run.start(a.out, env)

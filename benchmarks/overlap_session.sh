@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 28's open measurements on one H200, in order of need, in the background (one device session is ~30 min, so
-# the first stages matter most; c256 and c4e ran in invocation M, 2026-12-05). From a copy of the repository on the GPU machine with the GPU stack installed and
+# the first stages matter most; c256 and c4e ran in invocation M, learn's seeds 0 and 2 and d256 in N, 2026-12-05). From a copy of the repository on the GPU machine with the GPU stack installed and
 # the real model unpacked (../shared/device/stage.sh and ../shared/real-model/build.sh say how):
 #   (setsid nohup bash benchmarks/overlap_session.sh > /tmp/go.log 2>&1 &)
 # then poll /tmp/res/progress (one line per stage and one JSON row per run) and copy /tmp/res back at every poll:
@@ -9,10 +9,12 @@
 # ../shared/real-model/data there); results go to R (/tmp/res), run directories to RUNS (/tmp/runs);
 # EXTRA=--dry-run makes the drivers print their commands and run nothing.
 # Stages:
-#   learn   held-out learning (arith, 100 steps), overlap (two engine processes, auto's count) against off, seeds
-#           0-3, all runs at once (--concurrent): the target's "same learning" with two engine processes
-#   d256    the 1.7B shape, TRL at 32 x 8 without checkpointing (colocate-rl's micro-batch there; TRL's 128 x 2
-#           with checkpointing gave the 1.78x) beside overlap
+#   learn   held-out learning (arith, 100 steps) with overlap (two engine processes, auto's count), seeds 1 and 3 at
+#           once (--concurrent): N ran seeds 0-3 with and without overlap, and overlap's seeds 1 and 3 ran out of GPU
+#           memory at start-up (eight runs at once; the driver now starts four at a time)
+#   d256    the 1.7B shape A-B-C-A-B-C as the issue asks: overlap, TRL at 32 x 8 without checkpointing (its fastest
+#           measured there: 10.32 s/step in N, 10.62 at 128 x 2 with checkpointing in J), and colocate-rl without
+#           overlap (J and N ran one overlap and one TRL run each: 1.78x, 1.75x)
 #   c256    another invocation of overlap against TRL hand-tuned, A-B-A-B (pooled 2.74x in L, 2.60x in M; C256_ORDER
 #           changes the order, e.g. overlap,trl,overlap-4e,overlap,trl,overlap-4e as in M)
 #   c4e     four engine processes against two on c256 (not in the default stages: in M four ran 2.21 s/step twice,
@@ -30,16 +32,17 @@ RUNS=${RUNS:-/tmp/runs}
 mkdir -p $R
 M=${M:-/tmp/real-model/smollm2-135m-instruct}
 D=${D:-$PWD/data/gsm_symbolic_train.jsonl}
-STAGES=${STAGES:-learn d256 gen c256 d2e gputest}
+STAGES=${STAGES:-d256 learn c256 gen d2e gputest}
 stage() { echo "== $1 $(date +%T)" >> $R/progress; }
 [ -n "${EXTRA:-}" ] || (setsid nohup vmstat -t 1 > $R/vmstat.txt 2>&1 &)
 B="python benchmarks/bench_overlap.py ${EXTRA:-} --model $M --set output.save_model=false"
 for st in $STAGES; do
   stage "$st"
   case $st in
-    learn) $B --out $RUNS/learn --workload arith --steps 100 --order overlap,off --seeds 0,1,2,3 --concurrent \
+    learn) $B --out $RUNS/learn --workload arith --steps 100 --order overlap --seeds 1,3 --concurrent \
              > $R/learn.log 2>&1 ;;
-    d256) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 --order trl-mb32,overlap \
+    d256) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 \
+            --order overlap,trl-mb32,off,overlap,trl-mb32,off \
             > $R/d256.log 2>&1 ;;
     c256) $B --data "$D" --out $RUNS/c256 --workload c256 --steps 12 --timeout 400 \
             --order "${C256_ORDER:-overlap,trl,overlap,trl}" > $R/c256.log 2>&1 ;;

@@ -2,6 +2,7 @@
 (or TRL's colocated vLLM), so its commands are checked against the recipe schema, and its figures are read from a
 run directory a real CPU run writes in tests/test_overlap.py (the engine process without overlap: the `process` arm)."""
 
+import json
 import shlex
 
 import pytest
@@ -85,6 +86,26 @@ def test_concurrent_runs_are_for_learning_only_with_a_fixed_kv_cache(capsys, tmp
     for line in printed:
         r = recipe_of(shlex.split(line.split("] ", 1)[1]))
         assert r.generation.kv_cache_memory == B.CONCURRENT_KV and r.eval.every_steps == 20
+
+
+def test_concurrent_runs_start_in_waves_of_at_once_the_first_alone_until_it_trains(monkeypatch, tmp_path):
+    # the runs' processes are replaced by a record of the driver's calls (they need a GPU); the waves are the driver's
+    events = []
+
+    def finish(run, a, results_file, concurrent):
+        events.append(("finish", run.order))
+        with results_file.open("a") as f:
+            f.write(json.dumps({"order": run.order, "workload": "arith", "arm": run.arm, "exit": 0}) + "\n")
+
+    monkeypatch.setattr(B.Run, "start", lambda run, out, env: events.append(("start", run.order)))
+    monkeypatch.setattr(B.Run, "wait_for_first_step", lambda run, timeout: events.append(("trained", run.order)))
+    monkeypatch.setattr(B.Run, "finish", finish)
+    argv = ["--out", str(tmp_path), "--model", "m", "--workload", "arith", "--order", "overlap,off", "--concurrent"]
+    assert B.main([*argv, "--seeds", "0,1,2", "--at-once", "4"]) == 0
+    assert events == [("start", 1), ("trained", 1), ("start", 2), ("start", 3), ("start", 4),
+                      *[("finish", k) for k in (1, 2, 3, 4)], ("start", 5), ("start", 6), ("finish", 5), ("finish", 6)]  # fmt: skip
+    with pytest.raises(SystemExit):
+        B.main([*argv, "--at-once", "0"])
 
 
 def test_the_mps_arm_is_the_overlap_run_with_a_daemon_of_its_own(tmp_path):
