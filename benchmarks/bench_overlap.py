@@ -7,8 +7,8 @@ the trainer without DeepSpeed, fp32 weights under bf16 autocast; `overlap-omp1`:
 one torch CPU thread, as vLLM sets its own multiprocess workers against CPU contention; `process` and `overlap`
 run as many engine processes as `generation.engine_processes: auto` chooses (two for SmolLM2-135M since 2026-12-04,
 one before), `process-1e`, `overlap-1e` one, `process-2e`, `overlap-2e` two (each generating half of every batch),
-`process-4e`, `overlap-4e` four),
-and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-batch set by hand: `trl` at share 0.3,
+`process-4e`, `overlap-4e` four; `overlap-nogroup`: with, TRL's micro-batches as TRL cuts them,
+`trainer.length_grouping: false`), and TRL's own GRPOTrainer (benchmarks/trl_grpo.py, micro-batch set by hand: `trl` at share 0.3,
 `trl-lean` at the share one batch needs with the larger micro-batch, `trl-mb32` at 32 × 8 without gradient
 checkpointing), in the order given (default A-B-C-A-B-C), on
 256 completions per step of recipes/smollm2-135m-gsm8k.yaml's task.
@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
 # process: no overlap, the engine in its own process; overlap-mps: overlap with a CUDA MPS daemon of its own (`Mps`)
 ARMS = ("overlap", "off", "process", "trl", "trl-lean", "trl-mb32", "overlap-mps", "overlap-mp", "overlap-plain", "overlap-omp1",
-        "process-1e", "process-2e", "process-4e", "overlap-1e", "overlap-2e", "overlap-4e")  # fmt: skip
+        "process-1e", "process-2e", "process-4e", "overlap-1e", "overlap-2e", "overlap-4e", "overlap-nogroup")  # fmt: skip
 ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry says why)
     "process": ["generation.engine_process=true"],
     "overlap-mp": ["generation.vllm_multiprocessing=true"],
@@ -60,6 +60,7 @@ ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry s
     "overlap-1e": ["generation.engine_processes=1"],
     "overlap-2e": ["generation.engine_processes=2"],
     "overlap-4e": ["generation.engine_processes=4"],
+    "overlap-nogroup": ["trainer.length_grouping=false"],
 }
 ARM_ENV = {"overlap-omp1": {"OMP_NUM_THREADS": "1"}}  # the plan leaves a variable the user set alone
 PHASES = ("generate", "prepare", "reward", "train", "weight_sync", "optimizer")

@@ -12,9 +12,11 @@
 #   learn   held-out learning (arith, 100 steps) with overlap (two engine processes, auto's count), seeds 1 and 3 at
 #           once (--concurrent): N ran seeds 0-3 with and without overlap, and overlap's seeds 1 and 3 ran out of GPU
 #           memory at start-up (eight runs at once; the driver now starts four at a time)
-#   d256    the 1.7B shape A-B-C-A-B-C as the issue asks: overlap, TRL at 32 x 8 without checkpointing (its fastest
-#           measured there: 10.32 s/step in N, 10.62 at 128 x 2 with checkpointing in J), and colocate-rl without
-#           overlap (J and N ran one overlap and one TRL run each: 1.78x, 1.75x)
+#   d256    the 1.7B shape: overlap, TRL at 32 x 8 without checkpointing (its fastest measured there: 10.32 s/step
+#           in N, 10.62 at 128 x 2 with checkpointing in J), overlap without length-grouped micro-batches (what
+#           they gain: ~14 % fewer tokens by count), overlap under MPS (training's compute beside generation's memory
+#           traffic, at once rather than by time slices), each twice, then colocate-rl without overlap once
+#           (J and N ran one overlap and one TRL run each: 1.78x, 1.75x)
 #   c256    another invocation of overlap against TRL hand-tuned, A-B-A-B (pooled 2.74x in L, 2.60x in M; C256_ORDER
 #           changes the order, e.g. overlap,trl,overlap-4e,overlap,trl,overlap-4e as in M)
 #   c4e     four engine processes against two on c256 (not in the default stages: in M four ran 2.21 s/step twice,
@@ -42,7 +44,7 @@ for st in $STAGES; do
     learn) $B --out $RUNS/learn --workload arith --steps 100 --order overlap --seeds 1,3 --concurrent \
              > $R/learn.log 2>&1 ;;
     d256) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 \
-            --order overlap,trl-mb32,off,overlap,trl-mb32,off \
+            --order overlap,trl-mb32,overlap-nogroup,overlap-mps,overlap,trl-mb32,overlap-nogroup,overlap-mps,off \
             > $R/d256.log 2>&1 ;;
     c256) $B --data "$D" --out $RUNS/c256 --workload c256 --steps 12 --timeout 400 \
             --order "${C256_ORDER:-overlap,trl,overlap,trl}" > $R/c256.log 2>&1 ;;

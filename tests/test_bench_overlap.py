@@ -134,6 +134,13 @@ def test_the_plain_arm_is_the_overlap_run_without_deepspeed_and_with_fp32_weight
     assert overlap.model_copy(update={"distributed": plain.distributed, "model": plain.model}) == plain
 
 
+def test_the_nogroup_arm_is_the_overlap_run_with_trls_micro_batches(tmp_path):
+    overlap = recipe_of(B.command("overlap", "d256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 8, []))
+    plain = recipe_of(B.command("overlap-nogroup", "d256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "r", 8, []))
+    assert (overlap.trainer.length_grouping, plain.trainer.length_grouping) == (True, False)
+    assert overlap.model_copy(update={"trainer": plain.trainer, "output": plain.output}) == plain
+
+
 def test_the_1e_2e_and_4e_arms_are_their_runs_with_that_many_engine_processes(tmp_path):
     """The base arms leave the count to `engine_processes: auto`; an -Ne arm is its base run with N set."""
 

@@ -236,6 +236,7 @@ def build_trainer(run_dir: Path):
         trainer.tool_guard = ToolGuard(recipe.tools, telemetry.phase)
     trainer.log_extras = telemetry_extras(telemetry)
     trainer.overlap = launch.overlap
+    trainer.length_grouping = recipe.trainer.length_grouping
     trainer.reward_pool = reward_pool
     return recipe, launch, trainer, checkpoints
 

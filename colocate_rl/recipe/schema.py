@@ -160,6 +160,13 @@ class TrainerSection(_Section):
         "distributed.zero_stage).",
     )
     logging_steps: Count = Field(1, description="Log metrics every N steps.")
+    length_grouping: bool = Field(
+        True,
+        description="Form a step's micro-batches from completions of similar length and train each without the "
+        "padding none of them needs: less compute where a step has several micro-batches, the same loss. Where "
+        "the loss depends on the grouping (loss_type bnpo, an entropy mask or bonus) the micro-batches are only "
+        "trimmed; false = TRL's micro-batches as they are.",
+    )
     extra_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other field of TRL's GRPOConfig/RLOOConfig, passed through (names checked).",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from colocate_rl.rank.adapter import trl_old_logprobs
+from colocate_rl.rank.adapter import trl_micro_batches, trl_old_logprobs
 from colocate_rl.rank.engine import Generation, GenerationEngine, Sampling, no_phase
 
 # The hooked method's parameters, per trainer (relied on: TRL calls it with prompt token ids from its generation step
@@ -87,12 +87,16 @@ def check_trainer_class(trainer_cls: type) -> list[str]:
         fn = getattr(trainer_cls, name, None)
         source = inspect.getsource(fn) if fn is not None else ""
         problems += [f"trl {base}.{name} no longer has `{n}`" for n in needles if fn is not None and n not in source]
+    problems += trl_micro_batches.check(trainer_cls, base)
     return problems + (trl_old_logprobs.check(trainer_cls) if base == "GRPOTrainer" else [])
 
 
 def check_trainer(trainer) -> list[str]:
     """What is missing on a built trainer: the private attributes used, and the engine in place."""
-    attributes = ATTRIBUTES + (EPISODE_ATTRIBUTES if base_of(type(trainer)) == "GRPOTrainer" else ())
+    base = base_of(type(trainer))
+    attributes = (
+        ATTRIBUTES + (EPISODE_ATTRIBUTES if base == "GRPOTrainer" else ()) + trl_micro_batches.ATTRIBUTES.get(base, ())
+    )
     problems = [f"trl {type(trainer).__name__}.{a} is missing" for a in attributes if not hasattr(trainer, a)]
     if not isinstance(getattr(trainer, "engine", None), GenerationEngine):
         problems.append(f"the trainer's generation engine is {type(getattr(trainer, 'engine', None)).__name__}")
@@ -221,7 +225,7 @@ class _EngineHooks:
         return super().log(logs, *args, **kwargs)
 
 
-class GRPOHooks(trl_old_logprobs.OldLogprobsFromLoss, _EngineHooks):
+class GRPOHooks(trl_micro_batches.LengthGroupedMicroBatches, trl_old_logprobs.OldLogprobsFromLoss, _EngineHooks):
     def _generate(self, prompts):
         """One batch of episodes with the engine held awake over all its turns; each episode's tools guarded."""
         self.turns = 0
@@ -246,7 +250,9 @@ class GRPOHooks(trl_old_logprobs.OldLogprobsFromLoss, _EngineHooks):
         return out.completion_ids, out.logprobs
 
 
-class RLOOHooks(_EngineHooks):
+class RLOOHooks(trl_micro_batches.LengthGroupedMicroBatches, _EngineHooks):
+    trl_base = "RLOOTrainer"
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
         return self._engine_generate(
             prompt_ids, images, multimodal_fields, logprobs=False
