@@ -209,6 +209,12 @@ def test_trls_trainers_learn_the_same_from_narrower_micro_batches(
     assert [w[0] for w in widths] == [w[0] for w in their_widths]
     columns, their_columns = sum(w[1] for w in widths), sum(w[1] for w in their_widths)
     assert columns < their_columns if regroups else columns <= their_columns
+    kept = [
+        row["micro_batches/tokens_vs_trl"] for row in ours if "micro_batches/tokens_vs_trl" in row
+    ]  # steps that generate
+    assert len(kept) == (1 if config.get("steps_per_generation") else 2)
+    assert all(0 < k <= 1 for k in kept) and (min(kept) < 1) == (columns < their_columns)
+    assert all("micro_batches/tokens_vs_trl" not in row for row in theirs)
 
 
 def test_a_moved_micro_batch_buffer_is_named():

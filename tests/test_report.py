@@ -188,15 +188,15 @@ def test_summary_of_an_overlapped_run_says_how_much_generation_overlap_hid(tmp_p
     ahead steps did not wait for (1 - wait / engine), and TRL's sampling metrics; a run without them has no rows."""
     path = make_run(tmp_path / "run", sleep=False)
     lines = (path / "metrics.jsonl").read_text().splitlines()
-    fields = {  # step → (engine s, ahead, generate phase s = the wait, IS ratio mean, logprob gap mean)
-        1: (9.0, 0, 9.0, 0.9, 0.01),
-        2: (2.4, 1, 0.5, 0.80, 0.04),
-        3: (2.5, 1, 1.0, 0.82, 0.05),
-        4: (2.6, 1, 0.5, 0.70, 0.03),
-        5: (2.5, 0, 2.5, 0.90, 0.02),
-        6: (2.5, 1, 0.5, 0.75, 0.04),
+    fields = {  # step → (engine s, ahead, generate phase s = the wait, IS ratio mean, logprob gap mean, tokens vs TRL)
+        1: (9.0, 0, 9.0, 0.9, 0.01, 1.0),
+        2: (2.4, 1, 0.5, 0.80, 0.04, 0.8),
+        3: (2.5, 1, 1.0, 0.82, 0.05, 0.9),
+        4: (2.6, 1, 0.5, 0.70, 0.03, 0.86),
+        5: (2.5, 0, 2.5, 0.90, 0.02, 0.7),
+        6: (2.5, 1, 0.5, 0.75, 0.04, 0.95),
     }
-    for i, (engine, ahead, wait, ratio, gap) in fields.items():
+    for i, (engine, ahead, wait, ratio, gap, kept) in fields.items():
         record = json.loads(lines[i - 1])
         record.update({
             "engine_process/generate_s": engine,
@@ -204,6 +204,7 @@ def test_summary_of_an_overlapped_run_says_how_much_generation_overlap_hid(tmp_p
             "time/generate_s": wait,
             "sampling/importance_sampling_ratio/mean": ratio,
             "sampling/sampling_logp_difference/mean": gap,
+            "micro_batches/tokens_vs_trl": kept,
         })  # fmt: skip
         lines[i - 1] = json.dumps(record)
     (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
@@ -213,6 +214,7 @@ def test_summary_of_an_overlapped_run_says_how_much_generation_overlap_hid(tmp_p
     assert summary["generation hidden by overlap (%)"] == pytest.approx(80.0)  # wait 0.5 of 2.5 s
     assert summary["importance-sampling ratio (median)"] == pytest.approx(0.80)
     assert summary["|sampler − trainer| logprob (median)"] == pytest.approx(0.04)
+    assert summary["trained tokens vs TRL's micro-batches (median)"] == pytest.approx(0.86)
     text = "".join(rendered(rep.tables([rep.load_run(path)])).replace("│", "").split())  # rows without spacing
     for row in (
         "s/batch(median)2.50",
@@ -223,7 +225,7 @@ def test_summary_of_an_overlapped_run_says_how_much_generation_overlap_hid(tmp_p
     ):
         assert row in text
     plain = rep.run_summary(rep.load_run(make_run(tmp_path / "plain")))
-    assert not any("engine" in k or "ahead" in k or "sampl" in k for k in plain)
+    assert not any("engine" in k or "ahead" in k or "sampl" in k or "micro-batches" in k for k in plain)
 
 
 def test_cpu_run_has_rss_only(tmp_path):

@@ -101,8 +101,9 @@ def _median(steps: list[dict], key: str) -> float | None:
 def engine_summary(run: Run) -> dict[str, float]:
     """Medians over the steps after the first: with the engine in its own process its generation seconds a batch;
     with overlap the share of batches generated a step ahead and how much of their generation the steps did not
-    wait for; with vLLM TRL's importance-sampling ratio and absolute sampler-trainer logprob difference (step
-    means). No row for a field the run lacks."""
+    wait for; the share of TRL's padded tokens the length-grouped micro-batches trained; with vLLM TRL's
+    importance-sampling ratio and absolute sampler-trainer logprob difference (step means). No row for a field the
+    run lacks."""
     steps = run.steps[1:] or run.steps
     out: dict[str, float] = {}
     engine = _median(steps, "engine_process/generate_s")
@@ -116,6 +117,7 @@ def engine_summary(run: Run) -> dict[str, float]:
         if wait is not None and made:  # the steps' generate phase is only the wait for a batch made ahead
             out["generation hidden by overlap (%)"] = max(0.0, 100 * (1 - wait / made))
     for label, key in (
+        ("trained tokens vs TRL's micro-batches (median)", "micro_batches/tokens_vs_trl"),
         ("importance-sampling ratio (median)", "sampling/importance_sampling_ratio/mean"),
         ("|sampler − trainer| logprob (median)", "sampling/sampling_logp_difference/mean"),
     ):

@@ -79,6 +79,11 @@ def regroup(batches: list[dict], *, by_length: bool, multiple: int | None = None
     return [_trimmed(b, multiple) for b in batches]
 
 
+def _tokens(batches: list[dict]) -> int:
+    """Token positions the forward passes of `batches` take (padding included)."""
+    return sum(b["prompt_ids"].numel() + b["completion_ids"].numel() for b in batches)
+
+
 def _prompt_lengths(batch: dict):
     return batch["prompt_mask"].sum(dim=1)
 
@@ -130,9 +135,7 @@ class LengthGroupedMicroBatches:
         inputs = super()._prepare_inputs(generation_batch)
         if not self.length_grouping or not self.model.training or self._buffered_inputs is buffered:
             return inputs
-        self._buffered_inputs = regroup(
-            self._buffered_inputs,
-            by_length=self.groups_by_length,
-            multiple=self.pad_to_multiple_of,
-        )
+        trls = self._buffered_inputs
+        self._buffered_inputs = regroup(trls, by_length=self.groups_by_length, multiple=self.pad_to_multiple_of)
+        self._metrics["train"]["micro_batches/tokens_vs_trl"].append(_tokens(self._buffered_inputs) / _tokens(trls))
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
