@@ -147,6 +147,37 @@ QWEN7_1GPU = {
 HANG_GUARD_S = 600  # not a speed check: only ends a hung test
 
 
+def engine_with_sampler_logprobs(trainer):
+    """An engine factory for TRL trainers on the CPU: transformers' engine (vLLM cannot run here) returning sampled
+    log-probabilities as vLLM does, the trainer's own shifted per token to stand for the sampler's mismatch, so that
+    TRL's importance-sampling ratios are not all 1."""
+    import math
+
+    import torch
+
+    from colocate_rl.rank.engine import Generation
+    from colocate_rl.rank.hf_engine import TransformersEngine, transformers_engine
+
+    class WithLogprobs(TransformersEngine):
+        returns_logprobs = True
+
+        def generate(self, prompt_ids, sampling):
+            out = super().generate(prompt_ids, sampling)
+            model = self.wrapped_model()
+            logprobs = []
+            with torch.no_grad():
+                for prompt, completion in zip(prompt_ids, out.completion_ids):
+                    ids = torch.tensor([prompt + completion])
+                    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / sampling.temperature
+                    picked = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+                    logprobs.append([v + 0.2 * math.sin(3 * i) for i, v in enumerate(picked.tolist())])
+            return Generation(out.completion_ids, logprobs)
+
+    engine = transformers_engine(trainer)
+    engine.__class__ = WithLogprobs
+    return engine
+
+
 def start(run_dir: Path, *args: str) -> subprocess.Popen:
     """`colocate-rl train ARGS --run-dir RUN_DIR` in the background (CPU, 2 ranks)."""
     return subprocess.Popen(

@@ -2,15 +2,14 @@
 trainers trained with and without it on the CPU: the same losses and weights, narrower forwards.
 
 The engine is transformers' (the CPU path; vLLM cannot run here), returning the trainer's own log-probabilities
-shifted per token as the sampler's, as in test_old_logprobs.py, so that the importance-sampling correction is on.
+shifted per token as the sampler's (conftest.engine_with_sampler_logprobs), so that the importance-sampling correction is on.
 """
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from conftest import engine_with_sampler_logprobs
 
 from colocate_rl.rank import adapter
 from colocate_rl.rank.adapter import trl_micro_batches as mb
@@ -109,28 +108,6 @@ def _train(tiny, tmp_path, monkeypatch, *, grouping: bool, trainer: str = "grpo"
     import trl
 
     from colocate_rl.builtin_model import load_tokenizer
-    from colocate_rl.rank.engine import Generation
-    from colocate_rl.rank.hf_engine import TransformersEngine, transformers_engine
-
-    class WithLogprobs(TransformersEngine):
-        returns_logprobs = True
-
-        def generate(self, prompt_ids, sampling):
-            out = super().generate(prompt_ids, sampling)
-            model = self.wrapped_model()
-            logprobs = []
-            with torch.no_grad():
-                for prompt, completion in zip(prompt_ids, out.completion_ids):
-                    ids = torch.tensor([prompt + completion])
-                    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / sampling.temperature
-                    picked = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
-                    logprobs.append([v + 0.2 * math.sin(3 * i) for i, v in enumerate(picked.tolist())])
-            return Generation(out.completion_ids, logprobs)
-
-    def factory(trainer):
-        engine = transformers_engine(trainer)
-        engine.__class__ = WithLogprobs
-        return engine
 
     base, config_cls = (trl.GRPOTrainer, trl.GRPOConfig) if trainer == "grpo" else (trl.RLOOTrainer, trl.RLOOConfig)
     widths = []
@@ -169,7 +146,7 @@ def _train(tiny, tmp_path, monkeypatch, *, grouping: bool, trainer: str = "grpo"
         args=config,
         train_dataset=_prompts(),
         processing_class=load_tokenizer(tiny),
-        engine_factory=factory,
+        engine_factory=engine_with_sampler_logprobs,
     )
     adapter.verify_trainer(built)
     with monkeypatch.context() as patch:

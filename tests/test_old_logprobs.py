@@ -7,10 +7,9 @@ does: the trainer's own, shifted per token to stand for the sampler's mismatch, 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from conftest import engine_with_sampler_logprobs
 
 from colocate_rl.rank import adapter
 from colocate_rl.rank.adapter import trl_old_logprobs
@@ -35,30 +34,8 @@ def _train(tiny, tmp_path, monkeypatch, *, from_loss: bool, mode: str, accumulat
 
     from colocate_rl.builtin_model import load_tokenizer
     from colocate_rl.prompts import load_prompts
-    from colocate_rl.rank.engine import Generation
-    from colocate_rl.rank.hf_engine import TransformersEngine, transformers_engine
 
     forwards = []
-
-    class WithLogprobs(TransformersEngine):
-        returns_logprobs = True
-
-        def generate(self, prompt_ids, sampling):
-            out = super().generate(prompt_ids, sampling)
-            model = self.wrapped_model()
-            logprobs = []
-            with torch.no_grad():
-                for prompt, completion in zip(prompt_ids, out.completion_ids):
-                    ids = torch.tensor([prompt + completion])
-                    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / sampling.temperature
-                    picked = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
-                    logprobs.append([v + 0.2 * math.sin(3 * i) for i, v in enumerate(picked.tolist())])
-            return Generation(out.completion_ids, logprobs)
-
-    def factory(trainer):
-        engine = transformers_engine(trainer)
-        engine.__class__ = WithLogprobs
-        return engine
 
     trl_forward = trl.GRPOTrainer._get_per_token_logps_and_entropies
 
@@ -95,7 +72,7 @@ def _train(tiny, tmp_path, monkeypatch, *, from_loss: bool, mode: str, accumulat
         args=config,
         train_dataset=load_prompts("builtin:digits", num_samples=16, seed=0),
         processing_class=load_tokenizer(tiny),
-        engine_factory=factory,
+        engine_factory=engine_with_sampler_logprobs,
     )
     adapter.verify_trainer(trainer)
     assert trainer.defers_old_logprobs == from_loss
