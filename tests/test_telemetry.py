@@ -133,3 +133,22 @@ def test_gpu_step_reports_torch_peak_and_allocator_retries_of_that_step(tmp_path
     third = tel.step_end(3)
     assert (third["mem/torch_peak_gib"], third["mem/alloc_retries"]) == (30.0, 1)
     assert allocator["resets"] == 3
+
+
+def test_a_rank_line_is_written_whole_in_one_write(monkeypatch):
+    """Ranks run `python -u`: print writes text and newline apart, and two ranks' lines joined in train.log (seen in
+    CI: two engine stop lines on one line). log_line writes each line once, newline included."""
+    import io
+
+    from colocate_rl.telemetry import events
+
+    writes = []
+
+    class Unbuffered(io.StringIO):
+        def write(self, s):
+            writes.append(s)
+            return len(s)
+
+    monkeypatch.setattr("sys.stdout", Unbuffered())
+    events.log_line("[colocate-rl engine] engine process stopped in 0.0 s")
+    assert writes == ["[colocate-rl engine] engine process stopped in 0.0 s\n"]

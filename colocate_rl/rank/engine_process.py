@@ -39,6 +39,7 @@ from colocate_rl.rank.weights import (
     staging_bytes,
     trainer_buckets,
 )
+from colocate_rl.telemetry import events
 
 STOP_S = 30.0  # how long `stop` waits for the engine processes to exit before it terminates them
 POLL_S = 1.0  # how often a rank waiting for an engine process checks that the process is alive
@@ -121,10 +122,9 @@ class ProcessEngine(GenerationEngine):
         self.staging = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._call("stage", shared_handle(self.staging) if self.staging.is_cuda else self.staging)
         pids = ", ".join(str(c.process.pid) for c in self.children)
-        print(
+        events.log_line(
             f"[colocate-rl engine] engine process{'es' if len(self.children) > 1 else ''} {pids} ({self.spec['kind']}) "
-            f"ready; staging buffer {size / 2**20:.1f} MiB on {self.device}",
-            flush=True,
+            f"ready; staging buffer {size / 2**20:.1f} MiB on {self.device}"
         )
 
     def stop(self) -> None:
@@ -151,9 +151,8 @@ class ProcessEngine(GenerationEngine):
         note = ""
         if dropped:
             note = f"; dropped {dropped} batch{'es' if dropped > 1 else ''} generated ahead for a step that did not run"
-        print(
-            f"[colocate-rl engine] engine process{plural} {how} in {time.perf_counter() - started:.1f} s{note}",
-            flush=True,
+        events.log_line(
+            f"[colocate-rl engine] engine process{plural} {how} in {time.perf_counter() - started:.1f} s{note}"
         )
         self.children = []
 

@@ -26,6 +26,7 @@ import torch
 from colocate_rl.errors import one_line
 from colocate_rl.rank.engine import Generation, Sampling
 from colocate_rl.rank.weights import compare_weights, open_shared, staged
+from colocate_rl.telemetry import events
 
 
 class ChildTransformers:
@@ -159,7 +160,7 @@ def child_vllm(spec: dict[str, Any]):
     engine.start()
     if options.multiprocessing:
         pids = ", ".join(str(p.pid) for p in multiprocessing.active_children())
-        print(f"[colocate-rl engine] vLLM's engine core runs in process {pids}", flush=True)
+        events.log_line(f"[colocate-rl engine] vLLM's engine core runs in process {pids}")
     return engine
 
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from colocate_rl.errors import RewardProcessError, UserError
+from colocate_rl.telemetry import events
 
 LOCAL_ONLY = ("log_metric", "log_extra", "environments")  # TRL's per-call arguments that cannot cross a process
 
@@ -175,7 +176,7 @@ def reward_functions(recipe) -> tuple[list, RewardPool | None]:
             funcs.append(os.path.normpath(os.path.expanduser(r.model)))
         elif _processes(r) > 1:
             funcs.append(pool.wrap(r.name, key, _processes(r)))
-            print(f"[colocate-rl rewards] {key} {r.name}: scored on {_processes(r)} processes", flush=True)
+            events.log_line(f"[colocate-rl rewards] {key} {r.name}: scored on {_processes(r)} processes")
         else:
             funcs.append(checked_reward(resolved[i], f"{key} {r.name}"))
     return funcs, pool

@@ -192,8 +192,8 @@ class VLLMEngine(GenerationEngine):
             line += f", asleep (level {self.sleep_level}) {asleep:.3f} GiB"
         config = vl.built_config(self.llm)
         self.max_model_len = int(config["max_model_len"])
-        print(line, flush=True)  # for a person reading the log; programs read the event
-        print(f"[colocate-rl engine] rank {accelerator.process_index}: vLLM config {json.dumps(config)}", flush=True)
+        events.log_line(line)  # for a person reading the log; programs read the event
+        events.log_line(f"[colocate-rl engine] rank {accelerator.process_index}: vLLM config {json.dumps(config)}")
         if self.run_dir is not None:
             events.emit(
                 self.run_dir,

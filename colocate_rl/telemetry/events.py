@@ -75,3 +75,12 @@ def user_errors(run_dir: Path) -> list[str]:
         elif event.get("kind") in (STALE_WEIGHTS, ENGINE_FAILED):
             lines.append(str(event.get("message", "")))
     return list(dict.fromkeys(line for line in lines if line))
+
+
+def log_line(text: str) -> None:
+    """`text` as one line of the rank's output (train.log), for a person reading it, in one write: the ranks run
+    unbuffered (`python -u`), where `print` writes the text and its newline apart and two ranks' lines can join."""
+    import sys
+
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
