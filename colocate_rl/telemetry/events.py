@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,5 @@ def user_errors(run_dir: Path) -> list[str]:
 def log_line(text: str) -> None:
     """`text` as one line of the rank's output (train.log), for a person reading it, in one write: the ranks run
     unbuffered (`python -u`), where `print` writes the text and its newline apart and two ranks' lines can join."""
-    import sys
-
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
