@@ -178,6 +178,22 @@ def engine_with_sampler_logprobs(trainer):
     return engine
 
 
+def varied(completions, **kwargs) -> list[float]:
+    """A reward that differs between completions of the tiny model (its digit share is always 0)."""
+    return [sum(map(ord, str(c))) % 97 / 97 for c in completions]
+
+
+def cpu_trainer(trainer_cls: type, config_cls: type, model_dir: Path, out: Path, dataset, **config):
+    """`trainer_cls` (an engine_trainer subclass) on the CPU for 2 steps at learning rate 1e-3, seed 3: `model_dir`'s
+    model, the reward `varied`, the engine with sampler log-probabilities; `config` sets the rest of `config_cls`."""
+    from colocate_rl.builtin_model import load_tokenizer
+
+    args = config_cls(output_dir=str(out), use_cpu=True, bf16=False, report_to="none", temperature=1.0, max_steps=2,
+                      logging_steps=1, learning_rate=1e-3, save_strategy="no", disable_tqdm=True, seed=3, **config)  # fmt: skip
+    return trainer_cls(model=str(model_dir), reward_funcs=[varied], args=args, train_dataset=dataset,
+                       processing_class=load_tokenizer(model_dir), engine_factory=engine_with_sampler_logprobs)  # fmt: skip
+
+
 def start(run_dir: Path, *args: str) -> subprocess.Popen:
     """`colocate-rl train ARGS --run-dir RUN_DIR` in the background (CPU, 2 ranks)."""
     return subprocess.Popen(

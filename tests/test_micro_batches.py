@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import engine_with_sampler_logprobs
+from conftest import cpu_trainer
 
 from colocate_rl.rank import adapter
 from colocate_rl.rank.adapter import trl_micro_batches as mb
@@ -93,10 +93,6 @@ def tiny(tmp_path_factory):
     return build_model("tiny", tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
-def varied(completions, **kwargs) -> list[float]:
-    return [sum(map(ord, str(c))) % 97 / 97 for c in completions]
-
-
 def _prompts():
     from datasets import Dataset
 
@@ -106,8 +102,6 @@ def _prompts():
 
 def _train(tiny, tmp_path, monkeypatch, *, grouping: bool, trainer: str = "grpo", **config_kwargs):
     import trl
-
-    from colocate_rl.builtin_model import load_tokenizer
 
     base, config_cls = (trl.GRPOTrainer, trl.GRPOConfig) if trainer == "grpo" else (trl.RLOOTrainer, trl.RLOOConfig)
     widths = []
@@ -122,31 +116,17 @@ def _train(tiny, tmp_path, monkeypatch, *, grouping: bool, trainer: str = "grpo"
         length_grouping = grouping
 
     sampler = {"use_vllm": True, "vllm_importance_sampling_mode": "token_truncate"} if trainer == "grpo" else {}
-    config = config_cls(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
+    built = cpu_trainer(
+        Trainer,
+        config_cls,
+        tiny,
+        tmp_path,
+        _prompts(),
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=8,
-        temperature=1.0,
-        max_steps=2,
-        logging_steps=1,
-        learning_rate=1e-3,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=3,
         **sampler,
         **{"gradient_accumulation_steps": 4, **config_kwargs},
-    )
-    built = Trainer(
-        model=str(tiny),
-        reward_funcs=[varied],
-        args=config,
-        train_dataset=_prompts(),
-        processing_class=load_tokenizer(tiny),
-        engine_factory=engine_with_sampler_logprobs,
     )
     adapter.verify_trainer(built)
     with monkeypatch.context() as patch:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import engine_with_sampler_logprobs
+from conftest import cpu_trainer
 
 from colocate_rl.rank import adapter
 from colocate_rl.rank.adapter import trl_old_logprobs
@@ -24,15 +24,9 @@ def tiny(tmp_path_factory):
     return build_model("tiny", tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
-def varied(completions, **kwargs) -> list[float]:
-    """A reward that differs between completions of the tiny model (its digit share is always 0)."""
-    return [sum(map(ord, str(c))) % 97 / 97 for c in completions]
-
-
 def _train(tiny, tmp_path, monkeypatch, *, from_loss: bool, mode: str, accumulation: int):
     import trl
 
-    from colocate_rl.builtin_model import load_tokenizer
     from colocate_rl.prompts import load_prompts
 
     forwards = []
@@ -46,11 +40,12 @@ def _train(tiny, tmp_path, monkeypatch, *, from_loss: bool, mode: str, accumulat
     class Trainer(adapter.engine_trainer(trl.GRPOTrainer)):
         old_logprobs_from_loss = from_loss
 
-    config = trl.GRPOConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
+    trainer = cpu_trainer(
+        Trainer,
+        trl.GRPOConfig,
+        tiny,
+        tmp_path,
+        load_prompts("builtin:digits", num_samples=16, seed=0),
         use_vllm=True,
         vllm_importance_sampling_mode=mode,
         vllm_importance_sampling_clip_min=0.5 if mode == "token_mask" else None,
@@ -58,21 +53,6 @@ def _train(tiny, tmp_path, monkeypatch, *, from_loss: bool, mode: str, accumulat
         gradient_accumulation_steps=accumulation,
         num_generations=4,
         max_completion_length=6,
-        temperature=1.0,
-        max_steps=2,
-        logging_steps=1,
-        learning_rate=1e-3,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=3,
-    )
-    trainer = Trainer(
-        model=str(tiny),
-        reward_funcs=[varied],
-        args=config,
-        train_dataset=load_prompts("builtin:digits", num_samples=16, seed=0),
-        processing_class=load_tokenizer(tiny),
-        engine_factory=engine_with_sampler_logprobs,
     )
     adapter.verify_trainer(trainer)
     assert trainer.defers_old_logprobs == from_loss
