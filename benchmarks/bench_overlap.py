@@ -396,7 +396,11 @@ def main(argv: list[str] | None = None) -> int:
                 run.finish(a, results_file, concurrent=True)
     elif not a.dry_run:
         for run in runs:
-            run.start(a.out, env)
+            try:
+                run.start(a.out, env)
+            except (OSError, subprocess.CalledProcessError) as e:  # an MPS daemon that cannot start: the next run
+                print(json.dumps({"order": run.order, "arm": run.arm, "exit": f"not started: {e}"}), flush=True)
+                continue
             run.finish(a, results_file, concurrent=False)
     if not a.dry_run:
         results = [json.loads(x) for x in results_file.read_text().splitlines()]
