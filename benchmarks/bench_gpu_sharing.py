@@ -5,7 +5,7 @@ Two kernels stand in for overlap's two sides: `small`, a launch-bound chain of 2
 with tanh (a 135M model's decode step is this size), and `big`, a compute-bound 8192² bf16 matmul. Each stage starts
 its processes on a common start time after their warm-up, so that they really run at once, and prints one JSON line
 per process with its seconds. Stages: each kernel alone; small + big and small + small time-sliced; the same two
-under a job-local MPS daemon (bench_overlap's `Mps`: its pipe and log directories under --out). Leaves the GPU's
+under a job-local MPS daemon (colocate-rl's own, `colocate_rl.launch.mps`: its logs under --out). Leaves the GPU's
 compute mode as it is.
 
     python benchmarks/bench_gpu_sharing.py --out OUT            # ~2 min on an H200
@@ -17,12 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from bench_overlap import Mps
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from colocate_rl.launch import mps  # noqa: E402 (the repository on the path first)
 
 ITERATIONS = {"small": 300_000, "big": 5_000}  # ~8 s each alone on an H200
 STAGES = [("alone", ("small",)), ("alone", ("big",)), ("timesliced", ("small", "big")),
@@ -68,7 +71,8 @@ def main() -> None:
         return
     if a.out is None:
         p.error("--out is required")
-    mps, mps_env, rows = Mps(a.out / "mps"), None, []
+    daemon, mps_env, rows = None, None, []
+    pipe = Path(tempfile.mkdtemp(prefix="bench-mps-"))
     try:
         for mode, kernels in STAGES:
             argvs = commands(kernels, time.time() + START_DELAY_S)
@@ -76,7 +80,10 @@ def main() -> None:
                 print(mode, *(" ".join(argv) for argv in argvs), sep="\n  ")
                 continue
             if mode == "mps" and mps_env is None:
-                mps_env = mps.start(dict(os.environ))
+                logs = a.out / "mps"
+                logs.mkdir(parents=True, exist_ok=True)
+                mps_env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
+                daemon = mps.start_daemon(mps_env, pipe, logs)
             env = mps_env if mode == "mps" else dict(os.environ)
             procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) for argv in argvs]
             seconds = [json.loads(proc.communicate()[0].strip().splitlines()[-1])["s"] for proc in procs]
@@ -84,8 +91,9 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        if mps_env is not None:
-            mps.stop(mps_env)
+        if daemon is not None:
+            mps.stop_daemon(daemon, mps_env)
+        shutil.rmtree(pipe, ignore_errors=True)
     if rows:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Overlap (issue 28), side by side in one invocation on one GPU: colocate-rl with `generation.overlap: one_step`,
 colocate-rl without (`off`; `process`: without, the engine in its own process, for its generation speed alone;
-`overlap-mps`: with, under a CUDA MPS daemon of its own, so that the two processes' kernels can run at once;
+`overlap-mps`: with, `generation.mps: on` (every other colocate-rl arm sets it off, as measured before it existed);
 `overlap-mp`: with, vLLM's engine core in a process of its own beside the engine process; `overlap-plain`: with,
 the trainer without DeepSpeed, fp32 weights under bf16 autocast; `overlap-omp1`: with, every process of the run at
 one torch CPU thread, as vLLM sets its own multiprocess workers against CPU contention; `process` and `overlap`
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
-# process: no overlap, the engine in its own process; overlap-mps: overlap with a CUDA MPS daemon of its own (`Mps`)
+# process: no overlap, the engine in its own process; overlap-mps: overlap under colocate-rl's CUDA MPS daemon
 ARMS = ("overlap", "off", "process", "trl", "trl-lean", "trl-mb32", "overlap-mps", "overlap-mp", "overlap-plain", "overlap-omp1",
         "process-1e", "process-2e", "process-4e", "overlap-1e", "overlap-2e", "overlap-4e", "overlap-nogroup")  # fmt: skip
 ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry says why)
@@ -132,6 +132,7 @@ def command(
         f"trainer.max_steps={steps}",
         f"trainer.seed={seed}",
         f"generation.overlap={'one_step' if arm.startswith('overlap') else 'off'}",
+        f"generation.mps={'on' if arm == 'overlap-mps' else 'off'}",
         *ARM_SETS.get(arm, []),
         *sets,
     ]
@@ -275,25 +276,6 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-class Mps:
-    """A CUDA MPS control daemon for one run (arm overlap-mps): its pipe and log directories under OUT, so that only
-    that run's processes are its clients (they find it by CUDA_MPS_PIPE_DIRECTORY); quit when the run ends. The GPU's
-    compute mode is left as it is. Without MPS two processes on one GPU take turns by time slices; with it their
-    kernels can run at the same time."""
-
-    def __init__(self, root: Path):
-        self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
-
-    def start(self, env: dict) -> dict:
-        for d in self.env.values():
-            Path(d).mkdir(parents=True, exist_ok=True)
-        subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**env, **self.env}, check=True)
-        return {**env, **self.env}
-
-    def stop(self, env: dict) -> None:
-        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**env, **self.env}, timeout=60)
-
-
 class Run:
     """One run of the invocation: started in the background, its row appended to OUT/results.jsonl as it ends."""
 
@@ -301,8 +283,7 @@ class Run:
         self.order, self.arm, self.seed, self.name, self.run, self.argv = order, arm, seed, name, run, argv
 
     def start(self, out: Path, env: dict) -> None:
-        self.mps = Mps(out / f"mps-{self.name}") if self.arm.endswith("-mps") else None
-        self.env = {**(self.mps.start(env) if self.mps is not None else env), **ARM_ENV.get(self.arm, {})}
+        self.env = {**env, **ARM_ENV.get(self.arm, {})}
         self.peak = PeakMemory()
         self.peak.start()
         self.started = time.time()
@@ -321,8 +302,6 @@ class Run:
             self.proc.wait()
             code = 124
         self.log.close()
-        if self.mps is not None:
-            self.mps.stop(self.env)
         row = {"order": self.order, "workload": a.workload, "arm": self.arm, "seed": self.seed, "exit": code,
                "wall_s": round(time.time() - self.started, 1), "nvml_peak_gib": self.peak.stop(),
                **figures(self.arm, self.run, self.started), "command": shlex.join(self.argv)}  # fmt: skip
@@ -365,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.workload == "arith" and any(arm.startswith("trl") for arm in order):
         p.error("--order: the arith workload compares overlap and off only")
     if a.concurrent and any(arm.endswith("-mps") for arm in order):
-        p.error("--concurrent: an -mps arm runs with an MPS daemon of its own; run it alone")
+        p.error("--concurrent: an -mps arm runs under an MPS daemon of its own (several on one GPU: untested)")
     if a.at_once < 1:
         p.error("--at-once: 1 or more")
     if a.concurrent and a.workload != "arith":
@@ -396,11 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                 run.finish(a, results_file, concurrent=True)
     elif not a.dry_run:
         for run in runs:
-            try:
-                run.start(a.out, env)
-            except (OSError, subprocess.CalledProcessError) as e:  # an MPS daemon that cannot start: the next run
-                print(json.dumps({"order": run.order, "arm": run.arm, "exit": f"not started: {e}"}), flush=True)
-                continue
+            run.start(a.out, env)
             run.finish(a, results_file, concurrent=False)
     if not a.dry_run:
         results = [json.loads(x) for x in results_file.read_text().splitlines()]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 28's open measurements on one H200, in order of need, in the background (one device session is ~30 min, so
-# the first stages matter most; c256 and c4e ran in invocation M, learn's seeds 0 and 2 and d256 in N, 2026-12-05). From a copy of the repository on the GPU machine with the GPU stack installed and
+# the first stages matter most; c256 and c4e ran in invocation M, learn's seeds 0 and 2 and d256 in N, d256 with MPS
+# in O, 2026-12-05). From a copy of the repository on the GPU machine with the GPU stack installed and
 # the real model unpacked (../shared/device/stage.sh and ../shared/real-model/build.sh say how):
 #   (setsid nohup bash benchmarks/overlap_session.sh > /tmp/go.log 2>&1 &)
 # then poll /tmp/res/progress (one line per stage and one JSON row per run) and copy /tmp/res back at every poll:
@@ -12,11 +13,9 @@
 #   learn   held-out learning (arith, 100 steps) with overlap (two engine processes, auto's count), seeds 1 and 3 at
 #           once (--concurrent): N ran seeds 0-3 with and without overlap, and overlap's seeds 1 and 3 ran out of GPU
 #           memory at start-up (eight runs at once; the driver now starts four at a time)
-#   d256    the 1.7B shape: overlap, TRL at 32 x 8 without checkpointing (its fastest measured there: 10.32 s/step
-#           in N, 10.62 at 128 x 2 with checkpointing in J), overlap without length-grouped micro-batches (what
-#           they gain: ~14 % fewer tokens by count), overlap under MPS (training's compute beside generation's memory
-#           traffic, at once rather than by time slices), each twice, then colocate-rl without overlap once
-#           (J and N ran one overlap and one TRL run each: 1.78x, 1.75x)
+#   d256    the 1.7B shape through colocate-rl's own `generation.mps: on` (O measured the driver's own daemon: 4.62
+#           s/step against 5.39 without MPS and 9.85 for TRL at 32 x 8 without checkpointing, 2.13x), A-B-A-B with
+#           TRL and overlap without MPS
 #   c256    another invocation of overlap against TRL hand-tuned, A-B-A-B (pooled 2.74x in L, 2.60x in M; C256_ORDER
 #           changes the order, e.g. overlap,trl,overlap-4e,overlap,trl,overlap-4e as in M)
 #   c4e     four engine processes against two on c256 (not in the default stages: in M four ran 2.21 s/step twice,
@@ -44,7 +43,7 @@ for st in $STAGES; do
     learn) $B --out $RUNS/learn --workload arith --steps 100 --order overlap --seeds 1,3 --concurrent \
              > $R/learn.log 2>&1 ;;
     d256) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 \
-            --order overlap,trl-mb32,overlap-nogroup,overlap-mps,overlap,trl-mb32,overlap-nogroup,overlap-mps,off \
+            --order overlap-mps,trl-mb32,overlap,overlap-mps,trl-mb32,overlap \
             > $R/d256.log 2>&1 ;;
     c256) $B --data "$D" --out $RUNS/c256 --workload c256 --steps 12 --timeout 400 \
             --order "${C256_ORDER:-overlap,trl,overlap,trl}" > $R/c256.log 2>&1 ;;

@@ -2,8 +2,7 @@
 
     find_recipe → read YAML → paths made absolute (colocate_rl.recipe.paths) → layer node keys and overrides (defaults < recipe < Slurm < overrides and node flags)
     → parse (schema) → pre-flight (the files and reward code the recipe names, read and run once: plan.preflight)
-    → bind to the host (cross-field checks) → auto layout (zero_stage / gradient_checkpointing auto) → auto sleep
-    level (generation.sleep_level auto) → auto micro-batch (trainer.micro_batch_size auto) → plan
+    → bind to the host (cross-field checks) → each auto decided (`resolve` says in which order) → plan
 
 Everything after the pre-flight is a pure function of the recipe, the host and the pre-flight's result, so a command
 that resolves many variants of one recipe (`resolver`) reads the recipe file and the files it names once. The run
@@ -47,8 +46,8 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
     else 2), then `trainer.micro_batch_size` (the largest that fits; none to choose when the step is one micro-batch;
     level 2 instead of 0 where the step-time forecast says a larger micro-batch asleep is faster);
     `engine_processes: auto` before the share (which holds every copy); `overlap: auto` after the sleep level
-    (one_step when vLLM stays awake and nothing rules it out; one_step itself makes `sleep_level: auto` 0); the
-    resolved recipe holds what was chosen, `recorded_recipe()` every value. One UserError lists every problem."""
+    (one_step when vLLM stays awake and nothing rules it out; one_step itself makes `sleep_level: auto` 0), `mps`
+    last; the resolved recipe holds what was chosen, `recorded_recipe()` every value. One UserError lists all."""
     from colocate_rl.memory import autolayout as al
     from colocate_rl.memory.micro_batch import choose_micro_batch_and_sleep, with_micro_batch
     from colocate_rl.plan.overlap import choose_overlap
@@ -99,7 +98,7 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
         )
     if recipe.trainer.micro_batch_size == "auto":  # may turn the sleep level's 0 to 2: see micro_batch
         resolved = choose_micro_batch_and_sleep(resolved, gpu_gib)
-    return resolved
+    return al.with_mps(resolved)
 
 
 @dataclass(frozen=True)
@@ -278,6 +277,7 @@ def _earlier_version_values(recipe: Recipe, spec: LaunchSpec, deepspeed: dict[st
         "distributed.zero_stage": zero.stage,
         "generation.engine_process": spec.engine_process,  # False before it existed
         "generation.engine_processes": spec.engine.processes if spec.engine is not None else 1,  # 1 before it existed
+        "generation.mps": "off",  # before it existed
     }
     out = {key: value for key, value in known.items() if key in auto_keys(recipe)}
     if "distributed.zero_stage" in out:

@@ -5,8 +5,8 @@
 benchmarks read them back. Layout (several nodes add `nodes/<node_rank>/` for each node's own files):
 
     recipe.yaml  launch.json  launch.sh  deepspeed.json  forecast.json  model -> built-in model  train.log  .owner.lock
-    metrics.jsonl  events.jsonl  timeline/rank<N>.jsonl  final/  DONE
-    nodes/<node_rank>/{launch.sh, recipe-identity.json, train.log, ranks/}
+    metrics.jsonl  events.jsonl  timeline/rank<N>.jsonl  final/  DONE  mps/ (generation.mps: the MPS daemon's logs)
+    nodes/<node_rank>/{launch.sh, recipe-identity.json, train.log, ranks/, mps/}
 
 Torch-free. Fails with UserError only when a run directory cannot be used (`check_run_dir_free`, `write_run_dir`).
 """
@@ -42,6 +42,7 @@ DONE = "DONE"  # rank 0, once the final model is saved
 NODES_DIR = "nodes"  # nodes/<node_rank>/: one node's own files when several nodes share the run dir
 IDENTITY = "recipe-identity.json"  # nodes/<node_rank>/recipe-identity.json
 RANK_LOGS = "ranks"  # nodes/<node_rank>/ranks/: torchrun's per-rank logs
+MPS_LOGS = "mps"  # the CUDA MPS daemon's logs (colocate_rl.launch.mps), per node
 OWNER_LOCK = ".owner.lock"  # flock'd by the launcher or launch.sh that runs it (colocate_rl.launch.owner)
 
 # What other nodes of the same multi-node run may already have put into a shared run directory.

@@ -194,12 +194,12 @@ def cpu_trainer(trainer_cls: type, config_cls: type, model_dir: Path, out: Path,
                        processing_class=load_tokenizer(model_dir), engine_factory=engine_with_sampler_logprobs)  # fmt: skip
 
 
-def start(run_dir: Path, *args: str) -> subprocess.Popen:
-    """`colocate-rl train ARGS --run-dir RUN_DIR` in the background (CPU, 2 ranks)."""
+def start(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`colocate-rl train ARGS --run-dir RUN_DIR` in the background (CPU, 2 ranks; `env` added to its environment)."""
     return subprocess.Popen(
         [sys.executable, "-m", "colocate_rl", "train", *args, "--run-dir", str(run_dir)],
         cwd=ROOT,
-        env=clean_env(**NO_GPU),
+        env=clean_env(**NO_GPU, **(env or {})),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -108,12 +108,11 @@ def test_concurrent_runs_start_in_waves_of_at_once_the_first_alone_until_it_trai
         B.main([*argv, "--at-once", "0"])
 
 
-def test_the_mps_arm_is_the_overlap_run_with_a_daemon_of_its_own(tmp_path):
-    argv = B.command("overlap-mps", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, [])
-    assert argv == B.command("overlap", "c256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 12, [])
-    mps = B.Mps(tmp_path / "mps-c256-1-overlap-mps")
-    assert mps.env == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "mps-c256-1-overlap-mps" / "pipe"),
-                       "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "mps-c256-1-overlap-mps" / "log")}  # fmt: skip
+def test_the_mps_arm_is_the_overlap_run_under_colocate_rls_mps_daemon(tmp_path):
+    overlap = recipe_of(B.command("overlap", "d256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 8, []))
+    mps = recipe_of(B.command("overlap-mps", "d256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 8, []))
+    assert (overlap.generation.mps, mps.generation.mps) == ("off", "on")
+    assert overlap.generation.model_copy(update={"mps": "on"}) == mps.generation
     with pytest.raises(SystemExit):
         B.main(["--out", str(tmp_path), "--model", "m", "--workload", "arith", "--order", "overlap-mps,off",
                 "--concurrent", "--dry-run"])  # fmt: skip

@@ -275,7 +275,7 @@ def test_resume_of_a_run_dir_written_before_every_value_was_recorded(tmp_path):
     written = started.recipe.model_copy(
         update={"output": started.recipe.output.model_copy(update={"run_dir": str(run_dir)})}
     )
-    # sleep level, micro-batch, engine processes: resolved into the recipe; overlap, vLLM's share: not auto by
+    # sleep level, micro-batch, engine processes, MPS: resolved into the recipe; overlap, vLLM's share: not auto by
     # default (only when asked)
     assert set(auto_keys(written)) == set(AUTO_KEYS) - {
         "generation.vllm_gpu_memory_utilization",
@@ -283,10 +283,12 @@ def test_resume_of_a_run_dir_written_before_every_value_was_recorded(tmp_path):
         "trainer.micro_batch_size",
         "generation.overlap",
         "generation.engine_processes",
+        "generation.mps",
     }
-    # a run directory older than engine_processes has no such key: it ran one engine process (launch.json says so)
+    # a run directory older than engine_processes and mps has no such keys: it ran one engine process (launch.json
+    # says so), without MPS
     written = written.model_copy(
-        update={"generation": written.generation.model_copy(update={"engine_processes": "auto"})}
+        update={"generation": written.generation.model_copy(update={"engine_processes": "auto", "mps": "auto"})}
     )
     (run_dir / "recipe.yaml").write_text(dump_recipe(written))
     launch = json.loads(plan.files["launch.json"])

@@ -103,6 +103,7 @@ def summary_table(resolved, run_dir: Path | None = None, recipe_hash: str = "", 
             )
             + (", overlap one_step" if gen.overlap == "one_step" else "")
             + (" (auto)" if gen.overlap == "one_step" and resolved.overlap_choice is not None else "")
+            + (", under CUDA MPS" if gen.mps == "on" else "")
             + (", engine in its own process" if engine_in_process(r) else "")
             + (f" ×{gen.engine_processes}" if engine_in_process(r) and gen.engine_processes > 1 else ""),
         ),

@@ -64,7 +64,7 @@ def stop_signals_raise() -> Iterator[None]:
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
-def _tie_to_this_process() -> Callable[[], None] | None:
+def tie_to_this_process() -> Callable[[], None] | None:
     """A `preexec_fn` that has the kernel send the child SIGTERM when this process ends, however it ends (Linux's
     PR_SET_PDEATHSIG; kept across exec); None elsewhere. A child whose parent ended before the tie exits at once."""
     if not sys.platform.startswith("linux"):
@@ -184,7 +184,7 @@ def run_supervised(
             stdin=stdin,
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_tie_to_this_process(),
+            preexec_fn=tie_to_this_process(),
         )
     except BaseException:
         _restore(previous)

@@ -34,7 +34,7 @@ from colocate_rl.errors import UserError
 from colocate_rl.memory.shapes import layout_for
 from colocate_rl.plan.choices import Candidate, LayoutChoice, ShareChoice, SleepChoice, Tried
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout, build_deepspeed_config, load_base_config
-from colocate_rl.plan.overlap import choose_engine_processes, engine_copies
+from colocate_rl.plan.overlap import check_mps, choose_engine_processes, choose_mps, engine_copies
 from colocate_rl.plan.resolved import rank_cores, with_values
 from colocate_rl.recipe.generation import GenerationSection
 
@@ -268,11 +268,29 @@ def with_engine_processes(resolved: Resolved, auto_share: bool) -> Resolved:
     recipe left vLLM's share auto); unchanged when the recipe sets the count."""
     if resolved.recipe.generation.engine_processes != "auto":
         return resolved
-    try:
-        params_b = layout_for(resolved.recipe.model.name, config=resolved.preflight.model_config).active_params / 1e9
-    except UserError:  # a layout the estimate does not know: the size is unknown
-        params_b = None
+    params_b = model_params_b(resolved)
     cores = rank_cores(resolved.host, resolved.nproc_per_node)
     choice = choose_engine_processes(resolved.recipe, resolved.backend, params_b, cores, auto_share)
     recipe = with_values(resolved.recipe, {"generation.engine_processes": choice.count})
     return dataclasses.replace(resolved, recipe=recipe, engine_processes_choice=choice)
+
+
+def with_mps(resolved: Resolved) -> Resolved:
+    """`resolved` (overlap decided) with `generation.mps: auto` decided (`choose_mps`, by the model's size); raises
+    UserError when an explicit `on` cannot run (`check_mps`)."""
+    if problems := check_mps(resolved.recipe, resolved.host):
+        raise UserError(*problems)
+    if resolved.recipe.generation.mps != "auto":
+        return resolved
+    choice = choose_mps(resolved.recipe, resolved.backend, model_params_b(resolved), resolved.host)
+    recipe = with_values(resolved.recipe, {"generation.mps": "on" if choice.on else "off"})
+    return dataclasses.replace(resolved, recipe=recipe, mps_choice=choice)
+
+
+def model_params_b(resolved: Resolved) -> float | None:
+    """The model's parameters in billions (active ones, for a mixture of experts); None for a layout the estimate
+    does not know."""
+    try:
+        return layout_for(resolved.recipe.model.name, config=resolved.preflight.model_config).active_params / 1e9
+    except UserError:
+        return None

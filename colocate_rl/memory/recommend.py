@@ -209,6 +209,7 @@ def to_json(rec: Recommendation) -> dict[str, Any]:
                 ("micro_batch", r.micro_batch_choice),
                 ("overlap", r.overlap_choice),
                 ("engine_processes", r.engine_processes_choice),
+                ("mps", r.mps_choice),
             )
         },
     }

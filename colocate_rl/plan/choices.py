@@ -210,6 +210,20 @@ class OverlapChoice:
 
 
 @dataclass(frozen=True)
+class MpsChoice:
+    """What `generation.mps: auto` chose and why."""
+
+    on: bool
+    reason: str
+
+    def line(self) -> str:
+        return f"generation.mps auto: {'on' if self.on else 'off'} — {self.reason}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mps": "on" if self.on else "off", "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class EngineProcessesChoice:
     """What `generation.engine_processes: auto` chose and why."""
 

@@ -1,4 +1,4 @@
-"""What the launching machine has: GPUs, vLLM, CPU cores. Cheap to call: no torch import."""
+"""What the launching machine has: GPUs, vLLM, CPU cores, CUDA MPS. Cheap to call: no torch import."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ class Host:
     cpu_count: int = 1
     assumed: bool = False
     ram_gib: float | None = None  # this machine's memory; None for a host described on the command line
+    mps_control: bool = False  # nvidia-cuda-mps-control is on PATH (generation.mps)
+    mps_pipe_set: bool = False  # CUDA_MPS_PIPE_DIRECTORY is set: an MPS daemon of the user's serves the run
 
     @property
     def gpu_count(self) -> int:
@@ -98,6 +100,8 @@ def detect_host() -> Host:
         has_vllm=importlib.util.find_spec("vllm") is not None,
         cpu_count=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
         ram_gib=psutil.virtual_memory().total / 2**30,
+        mps_control=shutil.which("nvidia-cuda-mps-control") is not None,
+        mps_pipe_set=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
     )
 
 
@@ -108,6 +112,7 @@ def assumed_host(gpus: int, memory_gib: float = 80.0, cpu_count: int = 32) -> Ho
         has_vllm=gpus > 0,
         cpu_count=cpu_count,
         assumed=True,
+        mps_control=gpus > 0,  # NVIDIA's driver utilities, as on the GPU nodes it describes
     )
 
 

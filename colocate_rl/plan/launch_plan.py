@@ -27,6 +27,7 @@ from colocate_rl.recipe.load import dump_recipe
 
 WORKER_MODULE = "colocate_rl.worker"  # the entry point every launch.sh names: keep it stable
 OWNER_MODULE = "colocate_rl.launch.owner"  # launch.sh starts torchrun through it: the run dir's owner lock
+MPS_MODULE = "colocate_rl.launch.mps"  # torchrun under a CUDA MPS daemon of its own (generation.mps)
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,9 @@ def make_plan(
     recipe_hash = identity_hash(identity)
     multi_node = recipe.distributed.nnodes > 1
     node_dir = rundir.node_dir_name(recipe.distributed.node_rank) if multi_node else None
+    if recipe.generation.mps == "on":  # torchrun as the client of an MPS daemon of its own
+        mps_logs = run_dir / (node_dir or "") / rundir.MPS_LOGS
+        argv = [python, "-m", MPS_MODULE, str(run_dir), str(mps_logs), "--", *argv]
     if multi_node:  # set even if the caller's environment has them: they describe this launch
         env[RECIPE_HASH_ENV] = recipe_hash
         env[NODE_RANK_ENV] = str(recipe.distributed.node_rank)

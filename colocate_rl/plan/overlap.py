@@ -1,10 +1,12 @@
-"""`generation.overlap`, `generation.engine_process`, `vllm_multiprocessing` and `engine_processes`: what rules one-step
-overlap out, what explicit settings cannot run together, and what `overlap: auto` decides once the sleep level is
-known, and how many engine processes `engine_processes: auto` runs. Torch-free; reads nothing."""
+"""`generation.overlap`, `generation.engine_process`, `vllm_multiprocessing`, `engine_processes` and `mps`: what rules
+one-step overlap out, what explicit settings cannot run together, and what `overlap: auto` decides once the sleep level
+is known, how many engine processes `engine_processes: auto` runs, and whether `mps: auto` runs them under CUDA MPS.
+Torch-free; reads nothing."""
 
 from __future__ import annotations
 
-from colocate_rl.plan.choices import EngineProcessesChoice, OverlapChoice
+from colocate_rl.plan.choices import EngineProcessesChoice, MpsChoice, OverlapChoice
+from colocate_rl.plan.host import Host
 from colocate_rl.recipe.schema import Recipe
 
 # engine_processes auto: the largest model (billions of parameters) whose generation waited on vLLM's per-token loop,
@@ -13,6 +15,11 @@ from colocate_rl.recipe.schema import Recipe
 SMALL_MODEL_B = 0.25
 AUTO_ENGINE_PROCESSES = 2
 ENGINE_CORES = 4  # CPU cores a rank needs for two engine loops beside the trainer and the rest
+# mps auto: the smallest model (billions of parameters) measured faster with overlap under MPS: SmolLM2-1.7B's shape
+# on an H200 (docs/benchmarks, invocation O: 4.62 s/step against 5.39 without MPS); at 135M it did not help
+# (invocation B). Sizes in between are unmeasured: off.
+MPS_MODEL_B = 1.7
+MPS_CONTROL = "nvidia-cuda-mps-control"
 
 
 def overlap_blockers(recipe: Recipe, backend: str) -> list[str]:
@@ -155,4 +162,48 @@ def choose_engine_processes(
         AUTO_ENGINE_PROCESSES,
         f"a model of {params_b:.2f}B parameters: vLLM's per-token loop on one CPU core is what its generation waits "
         f"for, so {AUTO_ENGINE_PROCESSES} loops each generate part of every batch ({cores} CPU cores a rank)",
+    )
+
+
+def check_mps(recipe: Recipe, host: Host) -> list[str]:
+    """`generation.mps: on` for `recipe` with overlap decided, on `host`: what keeps it from running, one line each."""
+    if recipe.generation.mps != "on":
+        return []
+    fix, problems = "or set generation.mps: off", []
+    if recipe.generation.overlap != "one_step":
+        problems.append(
+            "generation.mps: on lets generation's kernels run beside training's, which only overlap does; set "
+            f"generation.overlap: one_step, {fix}"
+        )
+    if not host.mps_control:
+        problems.append(
+            f"generation.mps: on needs {MPS_CONTROL} (NVIDIA's driver utilities) on PATH; install it, {fix}"
+        )
+    if host.mps_pipe_set:
+        problems.append(
+            "generation.mps: on starts an MPS daemon of its own, but CUDA_MPS_PIPE_DIRECTORY is set (a daemon of "
+            f"yours); unset it, {fix} (yours then serves the run)"
+        )
+    return problems
+
+
+def choose_mps(recipe: Recipe, backend: str, params_b: float | None, host: Host) -> MpsChoice:
+    """`generation.mps: auto` for `recipe` with overlap decided (`params_b`: the model's parameters in billions,
+    None when unknown): on where overlap runs vLLM beside the trainer on a model of at least MPS_MODEL_B and the
+    host can start a daemon of its own; else off."""
+    if recipe.generation.overlap != "one_step":
+        return MpsChoice(False, "without overlap, generation and training take turns on the GPU")
+    if backend != "vllm":
+        return MpsChoice(False, f"generation with {backend}")
+    if host.mps_pipe_set:
+        return MpsChoice(False, "CUDA_MPS_PIPE_DIRECTORY is set: the MPS daemon there serves the run")
+    if not host.mps_control:
+        return MpsChoice(False, f"{MPS_CONTROL} is not on PATH")
+    if params_b is None or params_b < MPS_MODEL_B:
+        size = "of unknown size" if params_b is None else f"of {params_b:.2f}B parameters"
+        return MpsChoice(False, f"a model {size}: overlap was measured faster under MPS from {MPS_MODEL_B}B")
+    return MpsChoice(
+        True,
+        f"a model of {params_b:.2f}B parameters: the trainer's and the engine processes' kernels run on the GPU at "
+        "once instead of by time slices",
     )

@@ -12,6 +12,7 @@ from colocate_rl.plan.choices import (
     EngineProcessesChoice,
     LayoutChoice,
     MicroBatchChoice,
+    MpsChoice,
     OverlapChoice,
     ShareChoice,
     SleepChoice,
@@ -34,6 +35,7 @@ AUTO_KEYS = (
     "generation.overlap",
     "generation.engine_process",
     "generation.engine_processes",
+    "generation.mps",
     "trainer.gradient_checkpointing",
     "trainer.micro_batch_size",
 )
@@ -103,6 +105,7 @@ class Resolved:
     overlap_choice: OverlapChoice | None = None  # when generation.overlap is auto (recipe holds it)
     engine_processes_choice: EngineProcessesChoice | None = None  # when generation.engine_processes is auto (recipe
     # holds it); a line only where the engine runs in its own process
+    mps_choice: MpsChoice | None = None  # when generation.mps is auto (recipe holds it); a line only with overlap
 
     def choice_lines(self) -> list[str]:
         """What each `auto` chose and why, one line each (the layout may take several)."""
@@ -117,6 +120,11 @@ class Resolved:
             + ([self.sleep_choice.line()] if self.sleep_choice is not None else [])
             + ([self.micro_batch_choice.line()] if self.micro_batch_choice is not None else [])
             + ([self.overlap_choice.line()] if self.overlap_choice is not None else [])
+            + (
+                [self.mps_choice.line()]
+                if self.mps_choice is not None and self.recipe.generation.overlap == "one_step"
+                else []
+            )
             + [
                 f"rewards[{i}].processes: auto → {n} ({r.name} scored on {n} processes of the rank's "
                 f"{rank_cores(self.host, self.nproc_per_node)} CPU cores)"

@@ -100,6 +100,13 @@ class GenerationSection(BaseModel):
         "(TRL's importance-sampling correction on; engine in its own process, sleep level 0, single-turn); auto = "
         "one_step where trainer and vLLM fit awake together (sleep level 0) and nothing rules it out.",
     )
+    mps: Literal["off", "on", "auto"] = Field(
+        "auto",
+        description="With overlap: run each node's ranks and engine processes under a CUDA MPS daemon colocate-rl "
+        "starts for the run, so that training's and generation's kernels share the GPU at once instead of by time "
+        "slices (needs nvidia-cuda-mps-control). auto = on with overlap on a model of at least 1.7B parameters "
+        "(measured faster there: docs/benchmarks), off otherwise.",
+    )
     engine_process: bool | Literal["auto"] = Field(
         "auto", description="Run the engine in its own process on the rank's GPU; auto = when overlap is on."
     )

@@ -1,0 +1,102 @@
+"""`python -m colocate_rl.launch.mps RUN_DIR LOG_DIR -- COMMAND ...`: run COMMAND (torchrun) as the client of a CUDA
+MPS daemon of its own (`generation.mps: on`), so that the processes sharing a GPU (the trainer and its engine
+processes) run their kernels at once instead of taking time slices. `train` and `launch.sh` start torchrun so.
+
+The daemon (`nvidia-cuda-mps-control -f`, in a session of its own, ended with this process however it ends) gets a
+fresh directory under the temp dir for its pipes (a socket path holds ~100 characters) and LOG_DIR for its logs;
+COMMAND finds it by CUDA_MPS_PIPE_DIRECTORY. Stop signals are passed on to COMMAND; once COMMAND ends the daemon is
+asked to quit (killed if it does not) and this process exits with COMMAND's code. When the daemon does not start
+(its control pipe does not appear, or it exits): one line on stderr and in RUN_DIR's events, exit 2, COMMAND not run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONTROL = "nvidia-cuda-mps-control"
+START_S = 30.0  # for the control pipe to appear
+QUIT_S = 30.0  # for the daemon to end after `quit` (it waits for its clients)
+FIX = "set generation.mps: off"
+
+
+class MpsError(Exception):
+    pass
+
+
+def start_daemon(env: dict[str, str], pipe: Path, log_dir: Path) -> subprocess.Popen:
+    """Start the control daemon in the foreground of a child process; return once its control pipe exists. Raises
+    MpsError (naming the fix) when it cannot run, exits, or makes no pipe within START_S."""
+    from colocate_rl.launch.supervise import tie_to_this_process
+
+    out = log_dir / "daemon.out"
+    try:
+        with out.open("ab") as f:
+            daemon = subprocess.Popen(
+                [CONTROL, "-f"], env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=tie_to_this_process(),
+            )  # fmt: skip
+    except OSError as e:
+        raise MpsError(f"generation.mps: on: {CONTROL} cannot run ({e.strerror or e}); {FIX}") from e
+    deadline = time.monotonic() + START_S
+    while not (pipe / "control").exists():
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            if daemon.poll() is None:
+                daemon.kill()
+            daemon.wait()
+            said = out.read_text(errors="replace").strip().splitlines()
+            why = f": {said[-1].strip()}" if said else f" (exit {daemon.returncode})"
+            raise MpsError(f"generation.mps: on: the CUDA MPS daemon ({CONTROL}) did not start{why}; {FIX}")
+        time.sleep(0.1)
+    return daemon
+
+
+def stop_daemon(daemon: subprocess.Popen, env: dict[str, str]) -> None:
+    """Ask the daemon to quit (it ends its server once the clients are gone); kill it after QUIT_S."""
+    try:
+        subprocess.run([CONTROL], input="quit\n", text=True, env=env, capture_output=True, timeout=QUIT_S)
+        daemon.wait(timeout=QUIT_S)
+    except (OSError, subprocess.SubprocessError):
+        daemon.kill()
+        daemon.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 4 or args[2] != "--":
+        print("usage: python -m colocate_rl.launch.mps RUN_DIR LOG_DIR -- COMMAND ...", file=sys.stderr)
+        return 2
+    run_dir, log_dir, command = Path(args[0]), Path(args[1]), args[3:]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    pipe = Path(tempfile.mkdtemp(prefix="colocate-rl-mps-"))
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(log_dir)}
+    try:
+        try:
+            daemon = start_daemon(env, pipe, log_dir)
+        except MpsError as e:
+            from colocate_rl.telemetry import events
+
+            events.emit(run_dir, events.USER_ERROR, lines=[str(e)])
+            print(f"colocate-rl: {e}", file=sys.stderr, flush=True)
+            return 2
+        print(f"[colocate-rl] CUDA MPS daemon {daemon.pid} for this run: pipes {pipe}, logs {log_dir}", flush=True)
+        try:
+            child = subprocess.Popen(command, env=env)
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(s, lambda signum, _frame: child.send_signal(signum))
+            code = child.wait()
+        finally:
+            stop_daemon(daemon, env)
+    finally:
+        shutil.rmtree(pipe, ignore_errors=True)
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

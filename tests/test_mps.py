@@ -1,0 +1,178 @@
+"""`generation.mps`: what `auto` decides, what an explicit `on` needs, and the daemon wrapper torchrun runs under
+(`colocate_rl.launch.mps`). NVIDIA's nvidia-cuda-mps-control needs an NVIDIA driver, so these tests put a test double
+of it first on PATH (`fake_mps`); the real daemon ran on an H200 (docs/benchmarks, invocation O)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CPU, H200_GIB, HANG_GUARD_S, QWEN05, QWEN7_1GPU, assert_user_error, cli_here, start, write_recipe
+from conftest import resolved as resolved_for
+
+from colocate_rl.plan.host import assumed_host
+from colocate_rl.plan.launch_plan import make_plan
+from colocate_rl.rundir import step_records
+from colocate_rl.telemetry import events
+
+FAKE = '''#!{python}
+"""Test double of nvidia-cuda-mps-control: `-f` records its environment in $CUDA_MPS_LOG_DIRECTORY/fake.json, makes
+the control pipe and waits for `quit`; without arguments it reads a command from stdin (`quit` is passed on).
+FAKE_MPS_FAIL: `-f` prints it and exits 1."""
+import json, os, sys, time
+from pathlib import Path
+
+pipe = Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
+if sys.argv[1:] == ["-f"]:
+    if os.environ.get("FAKE_MPS_FAIL"):
+        print(os.environ["FAKE_MPS_FAIL"])
+        sys.exit(1)
+    log = Path(os.environ["CUDA_MPS_LOG_DIRECTORY"])
+    (log / "fake.json").write_text(json.dumps({{"pipe": str(pipe), "pid": os.getpid()}}))
+    (pipe / "control").touch()
+    while not (pipe / "quit").exists():
+        time.sleep(0.05)
+    (log / "quit").write_text("quit")
+elif sys.stdin.read().strip() == "quit":
+    (pipe / "quit").touch()
+'''
+
+
+@pytest.fixture
+def fake_mps(tmp_path) -> dict[str, str]:
+    """The environment with the test double of nvidia-cuda-mps-control first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "nvidia-cuda-mps-control"
+    exe.write_text(FAKE.format(python=sys.executable))
+    exe.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def wrapped(tmp_path, env: dict[str, str], *command: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "colocate_rl.launch.mps", str(tmp_path / "run"), str(tmp_path / "run" / "mps"), "--",
+         *command], env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
+    )  # fmt: skip
+
+
+def test_the_command_runs_as_the_client_of_a_daemon_of_its_own_that_quits_after_it(tmp_path, fake_mps):
+    (tmp_path / "run").mkdir()
+    show = "import os, sys; print('pipe', os.environ['CUDA_MPS_PIPE_DIRECTORY']); sys.exit(3)"
+    proc = wrapped(tmp_path, fake_mps, sys.executable, "-c", show)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err  # the command's own code
+    daemon = json.loads((tmp_path / "run" / "mps" / "fake.json").read_text())
+    assert f"pipe {daemon['pipe']}" in out and "CUDA MPS daemon" in out
+    assert len(daemon["pipe"]) < 100  # a socket path: not under a long run directory
+    assert (tmp_path / "run" / "mps" / "quit").exists() and not Path(daemon["pipe"]).exists()
+
+
+def test_a_stop_signal_reaches_the_command_and_the_daemon_still_quits(tmp_path, fake_mps):
+    (tmp_path / "run").mkdir()
+    wait = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); print('up', flush=True); "
+        "time.sleep(60)"
+    )
+    proc = wrapped(tmp_path, fake_mps, sys.executable, "-c", wait)
+    assert "up" in proc.stdout.readline() or "up" in proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 7 and (tmp_path / "run" / "mps" / "quit").exists()
+
+
+@pytest.mark.parametrize("cause", ["fails", "missing"])
+def test_a_daemon_that_does_not_start_ends_it_in_one_line_before_the_command_runs(tmp_path, fake_mps, cause):
+    (tmp_path / "run").mkdir()
+    marker = tmp_path / "ran"
+    env = {**fake_mps, "FAKE_MPS_FAIL": "cannot open /dev/nvidia0"} if cause == "fails" else {"PATH": "/nonexistent"}
+    proc = wrapped(tmp_path, env, sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    _, err = proc.communicate(timeout=60)
+    why = "did not start: cannot open /dev/nvidia0" if cause == "fails" else "nvidia-cuda-mps-control cannot run"
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert why in err and err.strip().endswith("set generation.mps: off")
+    assert not marker.exists()
+    assert events.user_errors(tmp_path / "run") == [err.strip().removeprefix("colocate-rl: ")]
+
+
+def on_h200(recipe, *sets, **host):
+    return resolved_for(recipe, assumed_host(1, H200_GIB, **host), *sets)
+
+
+def test_auto_runs_a_large_model_overlapped_under_mps_and_the_launch_starts_the_daemon(tmp_path):
+    r = on_h200(QWEN7_1GPU, "generation.overlap=one_step", "generation.sleep_level=0")
+    assert r.recipe.generation.mps == "on" and r.recorded_recipe().generation.mps == "on"
+    assert r.mps_choice.line().startswith("generation.mps auto: on — a model of 7.62B parameters: the trainer's")
+    assert r.mps_choice.line() in r.choice_lines()
+    run_dir = tmp_path / "run"
+    plan = make_plan(r, run_dir=run_dir, python="python", cwd=tmp_path, cache_dir=tmp_path, base_env={})
+    assert plan.argv[:6] == ["python", "-m", "colocate_rl.launch.mps", str(run_dir), str(run_dir / "mps"), "--"]
+    assert plan.argv[6:9] == ["python", "-m", "torch.distributed.run"]
+    assert "colocate_rl.launch.owner" in plan.files["launch.sh"] and "colocate_rl.launch.mps" in plan.files["launch.sh"]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "sets", "host", "reason"),
+    [
+        (
+            QWEN05,
+            ("generation.overlap=one_step", "generation.sleep_level=0"),
+            {},
+            "a model of 0.49B parameters: overlap was measured faster under",
+        ),
+        (
+            QWEN7_1GPU,
+            ("generation.overlap=one_step", "generation.sleep_level=0"),
+            {"mps_control": False},
+            "nvidia-cuda-mps-control is not on",
+        ),
+        (
+            QWEN7_1GPU,
+            ("generation.overlap=one_step", "generation.sleep_level=0"),
+            {"mps_pipe_set": True},
+            "CUDA_MPS_PIPE_DIRECTORY is set",
+        ),
+        (QWEN7_1GPU, (), {}, "without overlap, generation and training take turns"),
+    ],
+    ids=["0.5b", "no-daemon", "users-daemon", "no-overlap"],
+)
+def test_auto_leaves_mps_off_otherwise_and_says_why(tmp_path, recipe, sets, host, reason):
+    from dataclasses import replace
+
+    r = resolved_for(recipe, replace(assumed_host(1, H200_GIB), **host), *sets)
+    assert r.recipe.generation.mps == "off" and r.mps_choice.reason.startswith(reason)
+    assert (r.mps_choice.line() in r.choice_lines()) == ("generation.overlap=one_step" in sets)  # said with overlap
+    plan = make_plan(r, run_dir=tmp_path / "run", python="python", cwd=tmp_path, cache_dir=tmp_path, base_env={})
+    assert "colocate_rl.launch.mps" not in plan.argv
+
+
+def test_on_cpu_auto_is_off_and_an_explicit_on_names_what_it_needs(tmp_path):
+    r = resolved_for("quickstart", CPU, "generation.overlap=one_step")
+    assert r.mps_choice.reason == "generation with transformers"
+    recipe = write_recipe(tmp_path / "r.yaml", QWEN05)
+    result = cli_here("validate", recipe, "--gpus", "1", "--set", "generation.mps=on")
+    assert_user_error(result, "generation.mps: on lets generation's kernels run beside training's, which only")
+    assert "set generation.overlap: one_step, or set generation.mps: off" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_run_under_mps_trains_through_torchrun_and_the_daemon_quits_after_it(tmp_path, fake_mps):
+    """The quickstart (plain DDP, 2 ranks, 4 steps) overlapped with `generation.mps: on`: torchrun runs under the
+    daemon (here the test double), which is asked to quit once the run ends."""
+    run_dir = tmp_path / "run"
+    sets = ("distributed.deepspeed=null", "distributed.deepspeed_overrides={}", "trainer.max_steps=4",
+            "generation.overlap=one_step", "generation.mps=on")  # fmt: skip
+    proc = start(run_dir, "quickstart", *[x for s in sets for x in ("--set", s)], env=fake_mps)
+    out, _ = proc.communicate(timeout=HANG_GUARD_S)
+    log = (run_dir / "train.log").read_text()
+    assert proc.returncode == 0, out + log[-5000:]
+    assert len(step_records(run_dir)) == 4
+    assert "CUDA MPS daemon" in log and "under CUDA MPS" in out
+    assert (run_dir / "mps" / "fake.json").exists() and (run_dir / "mps" / "quit").exists()
+    assert time.time() - (run_dir / "mps" / "quit").stat().st_mtime < HANG_GUARD_S
