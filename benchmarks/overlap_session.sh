@@ -23,7 +23,7 @@
 #   gen     standalone vLLM on c256's batches: with logprobs (as the run), without, and without plus a prefill
 #           rescoring of prompt + completion for the sampled tokens' logprobs, the two logprobs compared
 #   d2e     the 1.7B shape with two engine processes (auto keeps one there)
-#   gputest the overlap GPU test on the real model
+#   gputest the GPU tests of overlap under colocate-rl's own MPS daemon and of overlap on the real model
 # vmstat throughout.
 set -u
 cd "$(dirname "$0")/.."
@@ -33,7 +33,7 @@ RUNS=${RUNS:-/tmp/runs}
 mkdir -p $R
 M=${M:-/tmp/real-model/smollm2-135m-instruct}
 D=${D:-$PWD/data/gsm_symbolic_train.jsonl}
-STAGES=${STAGES:-d256 learn c256 gen d2e gputest}
+STAGES=${STAGES:-d256 gputest learn c256 gen d2e}
 stage() { echo "== $1 $(date +%T)" >> $R/progress; }
 [ -n "${EXTRA:-}" ] || (setsid nohup vmstat -t 1 > $R/vmstat.txt 2>&1 &)
 B="python benchmarks/bench_overlap.py ${EXTRA:-} --model $M --set output.save_model=false"
@@ -55,7 +55,8 @@ for st in $STAGES; do
     d2e) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 --order overlap-2e \
            > $R/d2e.log 2>&1 ;;
     gputest) REAL_MODEL_DIR=$M REAL_DATA_DIR=$(dirname "$D") GPU_FIGURES=$R OVERLAP_ORDER=one_step,off \
-               python -m pytest -m gpu -s -q tests/test_gpu.py -k overlap_on_the_real_model > $R/gputest.log 2>&1 ;;
+               python -m pytest -m gpu -s -q tests/test_gpu.py -k "own_mps_daemon or overlap_on_the_real_model" \
+               > $R/gputest.log 2>&1 ;;
     *) echo "unknown stage $st" >> $R/progress ;;
   esac
   grep -h '^{' $R/"$st".log 2>/dev/null | cut -c1-600 >> $R/progress

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -896,6 +897,44 @@ def test_overlap_on_the_real_model_generates_a_step_ahead_through_the_engine_pro
             assert "engine core runs in process" not in log  # vllm_multiprocessing: false (the default)
     print(json.dumps(figures))
     (Path(os.environ.get("GPU_FIGURES", tmp_path)) / "overlap.json").write_text(json.dumps(figures))
+
+
+@pytest.mark.skipif(not (REAL_MODEL and REAL_DATA), reason="needs REAL_MODEL_DIR and REAL_DATA_DIR")
+@pytest.mark.skipif(shutil.which("nvidia-cuda-mps-control") is None, reason="needs nvidia-cuda-mps-control")
+def test_an_overlapped_run_under_its_own_mps_daemon(tmp_path):
+    """recipes/smollm2-135m-gsm8k.yaml at 256 completions per step with overlap and `generation.mps: on`: torchrun,
+    the trainer and its engine process run as clients of the daemon `colocate_rl.launch.mps` starts (its server
+    starts for them, its logs in run/mps/), every step after the first generated ahead, and the daemon quits after the
+    run. Prints the figures (at 135M MPS is not expected to be faster: auto turns it on from 1.7B)."""
+    from colocate_rl.rundir import step_records
+
+    steps = 6
+    run = tmp_path / "run"
+    args = ["train", "recipes/smollm2-135m-gsm8k.yaml", "--run-dir", str(run)]
+    for item in (
+        f"model.name={REAL_MODEL}", f"data.source={REAL_DATA}/gsm_symbolic_train.jsonl", "eval.every_steps=null",
+        "trainer.gradient_accumulation_steps=8", f"trainer.max_steps={steps}", "generation.overlap=one_step",
+        "generation.mps=on", "output.save_model=false",
+    ):  # fmt: skip
+        args += ["--set", item]
+    result = cli(args, ONE)
+    log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
+    assert result.returncode == 0, result.stdout[-3000:] + log[-8000:]
+    rows = step_records(run)
+    assert len(rows) == steps and [r["overlap/ahead"] for r in rows] == [0.0] + [1.0] * (steps - 1)
+    assert "CUDA MPS daemon" in log and "under CUDA MPS" in result.stdout
+    control = (run / "mps" / "control.log").read_text(errors="replace")
+    assert (run / "mps" / "server.log").exists(), control  # the server started for the run's clients
+    assert not subprocess.run(["pgrep", "-f", "nvidia-cuda-mps"], capture_output=True).stdout  # none left
+    figures = {
+        "s_per_step_median": round(statistics.median(r["time/step_s"] for r in rows[2:]), 4),
+        "train_s_median": round(statistics.median(r["time/train_s"] for r in rows[2:]), 4),
+        "engine_generate_s": [round(r["engine_process/generate_s"], 3) for r in rows],
+        "gpu_peak_gib_max": max(r["mem/gpu_peak_gib"] for r in rows),
+        "control_log_tail": control.strip().splitlines()[-3:],
+    }
+    print(json.dumps(figures))
+    (Path(os.environ.get("GPU_FIGURES", tmp_path)) / "mps.json").write_text(json.dumps(figures))
 
 
 @pytest.mark.skipif(not (REAL_MODEL and REAL_DATA), reason="needs REAL_MODEL_DIR and REAL_DATA_DIR")
