@@ -233,3 +233,38 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < guard, "the run logged no steps"
         time.sleep(0.2)
+
+
+# NVIDIA's nvidia-cuda-mps-control needs an NVIDIA driver: tests of `generation.mps` run this test double of it
+FAKE_MPS = '''#!{python}
+"""Test double of nvidia-cuda-mps-control: `-f` records its environment in $CUDA_MPS_LOG_DIRECTORY/fake.json, makes
+the control pipe and waits for `quit`; without arguments it reads a command from stdin (`quit` is passed on).
+FAKE_MPS_FAIL: `-f` prints it and exits 1."""
+import json, os, sys, time
+from pathlib import Path
+
+pipe = Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
+if sys.argv[1:] == ["-f"]:
+    if os.environ.get("FAKE_MPS_FAIL"):
+        print(os.environ["FAKE_MPS_FAIL"])
+        sys.exit(1)
+    log = Path(os.environ["CUDA_MPS_LOG_DIRECTORY"])
+    (log / "fake.json").write_text(json.dumps({{"pipe": str(pipe), "pid": os.getpid()}}))
+    (pipe / "control").touch()
+    while not (pipe / "quit").exists():
+        time.sleep(0.05)
+    (log / "quit").write_text("quit")
+elif sys.stdin.read().strip() == "quit":
+    (pipe / "quit").touch()
+'''
+
+
+@pytest.fixture
+def fake_mps(tmp_path) -> dict[str, str]:
+    """The environment with the test double of nvidia-cuda-mps-control (`FAKE_MPS`) first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "nvidia-cuda-mps-control"
+    exe.write_text(FAKE_MPS.format(python=sys.executable))
+    exe.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}

@@ -899,22 +899,16 @@ def test_overlap_on_the_real_model_generates_a_step_ahead_through_the_engine_pro
     (Path(os.environ.get("GPU_FIGURES", tmp_path)) / "overlap.json").write_text(json.dumps(figures))
 
 
-@pytest.mark.skipif(not (REAL_MODEL and REAL_DATA), reason="needs REAL_MODEL_DIR and REAL_DATA_DIR")
-@pytest.mark.skipif(shutil.which("nvidia-cuda-mps-control") is None, reason="needs nvidia-cuda-mps-control")
-def test_an_overlapped_run_under_its_own_mps_daemon(tmp_path):
-    """recipes/smollm2-135m-gsm8k.yaml at 256 completions per step with overlap and `generation.mps: on`: torchrun,
-    the trainer and its engine process run as clients of the daemon `colocate_rl.launch.mps` starts (its server
-    starts for them, its logs in run/mps/), every step after the first generated ahead, and the daemon quits after the
-    run. Prints the figures (at 135M MPS is not expected to be faster: auto turns it on from 1.7B)."""
+def overlapped_real_run(run: Path, steps: int, *sets: str) -> tuple[subprocess.CompletedProcess, str, list[dict]]:
+    """recipes/smollm2-135m-gsm8k.yaml on the real model at 256 completions per step with overlap and `sets`, for
+    `steps` steps: (the `train` result, train.log, the step records); every step after the first generated ahead."""
     from colocate_rl.rundir import step_records
 
-    steps = 6
-    run = tmp_path / "run"
     args = ["train", "recipes/smollm2-135m-gsm8k.yaml", "--run-dir", str(run)]
     for item in (
         f"model.name={REAL_MODEL}", f"data.source={REAL_DATA}/gsm_symbolic_train.jsonl", "eval.every_steps=null",
         "trainer.gradient_accumulation_steps=8", f"trainer.max_steps={steps}", "generation.overlap=one_step",
-        "generation.mps=on", "output.save_model=false",
+        "output.save_model=false", *sets,
     ):  # fmt: skip
         args += ["--set", item]
     result = cli(args, ONE)
@@ -922,6 +916,18 @@ def test_an_overlapped_run_under_its_own_mps_daemon(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + log[-8000:]
     rows = step_records(run)
     assert len(rows) == steps and [r["overlap/ahead"] for r in rows] == [0.0] + [1.0] * (steps - 1)
+    return result, log, rows
+
+
+@pytest.mark.skipif(not (REAL_MODEL and REAL_DATA), reason="needs REAL_MODEL_DIR and REAL_DATA_DIR")
+@pytest.mark.skipif(shutil.which("nvidia-cuda-mps-control") is None, reason="needs nvidia-cuda-mps-control")
+def test_an_overlapped_run_under_its_own_mps_daemon(tmp_path):
+    """recipes/smollm2-135m-gsm8k.yaml at 256 completions per step with overlap and `generation.mps: on`: torchrun,
+    the trainer and its engine process run as clients of the daemon `colocate_rl.launch.mps` starts (its server
+    starts for them, its logs in run/mps/), every step after the first generated ahead, and the daemon quits after the
+    run. Prints the figures (at 135M MPS is not expected to be faster: auto turns it on from 1.7B)."""
+    run = tmp_path / "run"
+    result, log, rows = overlapped_real_run(run, 6, "generation.mps=on")
     assert "CUDA MPS daemon" in log and "under CUDA MPS" in result.stdout
     control = (run / "mps" / "control.log").read_text(errors="replace")
     assert (run / "mps" / "server.log").exists(), control  # the server started for the run's clients
@@ -942,22 +948,7 @@ def test_two_vllm_engine_processes_per_rank_share_each_overlapped_batch(tmp_path
     """recipes/smollm2-135m-gsm8k.yaml at 256 completions per step with overlap and `generation.engine_processes: 2`:
     two vLLM engine processes on the rank's GPU, each with half of the share, each generating half of every batch,
     both loaded from the one CUDA IPC staging buffer and both checked after every push. Prints the figures."""
-    from colocate_rl.rundir import step_records
-
-    steps = 6
-    run = tmp_path / "run"
-    args = ["train", "recipes/smollm2-135m-gsm8k.yaml", "--run-dir", str(run)]
-    for item in (
-        f"model.name={REAL_MODEL}", f"data.source={REAL_DATA}/gsm_symbolic_train.jsonl", "eval.every_steps=null",
-        "trainer.gradient_accumulation_steps=8", f"trainer.max_steps={steps}", "generation.overlap=one_step",
-        "generation.engine_processes=2", "output.save_model=false",
-    ):  # fmt: skip
-        args += ["--set", item]
-    result = cli(args, ONE)
-    log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
-    assert result.returncode == 0, result.stdout[-3000:] + log[-8000:]
-    rows = step_records(run)
-    assert len(rows) == steps and [r["overlap/ahead"] for r in rows] == [0.0] + [1.0] * (steps - 1)
+    _, log, rows = overlapped_real_run(tmp_path / "run", 6, "generation.engine_processes=2")
     assert all(r.get("time/weight_check_s", 0) > 0 for r in rows)
     assert re.search(r"engine processes \d+, \d+ \(vllm\) ready", log), log[-3000:]
     assert log.count("vLLM awake") == 2  # one vLLM engine in each engine process

@@ -1,6 +1,7 @@
 """`generation.mps`: what `auto` decides, what an explicit `on` needs, and the daemon wrapper torchrun runs under
 (`colocate_rl.launch.mps`). NVIDIA's nvidia-cuda-mps-control needs an NVIDIA driver, so these tests put a test double
-of it first on PATH (`fake_mps`); the real daemon ran on an H200 (docs/benchmarks, invocation O)."""
+of it first on PATH (conftest's `fake_mps`; a run through torchrun under it: test_overlap's learning test); the real
+daemon ran on an H200 (docs/benchmarks, invocation O)."""
 
 from __future__ import annotations
 
@@ -9,50 +10,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import CPU, H200_GIB, HANG_GUARD_S, QWEN05, QWEN7_1GPU, assert_user_error, cli_here, start, write_recipe
+from conftest import CPU, H200_GIB, QWEN05, QWEN7_1GPU, assert_user_error, cli_here, write_recipe
 from conftest import resolved as resolved_for
 
 from colocate_rl.plan.host import assumed_host
 from colocate_rl.plan.launch_plan import make_plan
-from colocate_rl.rundir import step_records
 from colocate_rl.telemetry import events
-
-FAKE = '''#!{python}
-"""Test double of nvidia-cuda-mps-control: `-f` records its environment in $CUDA_MPS_LOG_DIRECTORY/fake.json, makes
-the control pipe and waits for `quit`; without arguments it reads a command from stdin (`quit` is passed on).
-FAKE_MPS_FAIL: `-f` prints it and exits 1."""
-import json, os, sys, time
-from pathlib import Path
-
-pipe = Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
-if sys.argv[1:] == ["-f"]:
-    if os.environ.get("FAKE_MPS_FAIL"):
-        print(os.environ["FAKE_MPS_FAIL"])
-        sys.exit(1)
-    log = Path(os.environ["CUDA_MPS_LOG_DIRECTORY"])
-    (log / "fake.json").write_text(json.dumps({{"pipe": str(pipe), "pid": os.getpid()}}))
-    (pipe / "control").touch()
-    while not (pipe / "quit").exists():
-        time.sleep(0.05)
-    (log / "quit").write_text("quit")
-elif sys.stdin.read().strip() == "quit":
-    (pipe / "quit").touch()
-'''
-
-
-@pytest.fixture
-def fake_mps(tmp_path) -> dict[str, str]:
-    """The environment with the test double of nvidia-cuda-mps-control first on PATH."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    exe = bin_dir / "nvidia-cuda-mps-control"
-    exe.write_text(FAKE.format(python=sys.executable))
-    exe.chmod(0o755)
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
 def wrapped(tmp_path, env: dict[str, str], *command: str, **popen) -> subprocess.Popen:
@@ -159,20 +125,3 @@ def test_on_cpu_auto_is_off_and_an_explicit_on_names_what_it_needs(tmp_path):
     result = cli_here("validate", recipe, "--gpus", "1", "--set", "generation.mps=on")
     assert_user_error(result, "generation.mps: on lets generation's kernels run beside training's, which only")
     assert "set generation.overlap: one_step, or set generation.mps: off" in result.stderr
-
-
-@pytest.mark.slow
-def test_a_run_under_mps_trains_through_torchrun_and_the_daemon_quits_after_it(tmp_path, fake_mps):
-    """The quickstart (plain DDP, 2 ranks, 4 steps) overlapped with `generation.mps: on`: torchrun runs under the
-    daemon (here the test double), which is asked to quit once the run ends."""
-    run_dir = tmp_path / "run"
-    sets = ("distributed.deepspeed=null", "distributed.deepspeed_overrides={}", "trainer.max_steps=4",
-            "generation.overlap=one_step", "generation.mps=on")  # fmt: skip
-    proc = start(run_dir, "quickstart", *[x for s in sets for x in ("--set", s)], env=fake_mps)
-    out, _ = proc.communicate(timeout=HANG_GUARD_S)
-    log = (run_dir / "train.log").read_text()
-    assert proc.returncode == 0, out + log[-5000:]
-    assert len(step_records(run_dir)) == 4
-    assert "CUDA MPS daemon" in log and "under CUDA MPS" in out
-    assert (run_dir / "mps" / "fake.json").exists() and (run_dir / "mps" / "quit").exists()
-    assert time.time() - (run_dir / "mps" / "quit").stat().st_mtime < HANG_GUARD_S

@@ -153,13 +153,16 @@ def engine_processes(proc) -> list[psutil.Process]:
 
 
 @pytest.mark.slow
-def test_an_overlapped_run_learns_with_each_batch_generated_a_step_ahead(tmp_path):
+def test_an_overlapped_run_learns_with_each_batch_generated_a_step_ahead(tmp_path, fake_mps):
     """The quickstart (ZeRO-3, 2 ranks, 40 steps) with overlap: from step 2 on every generation batch was generated
     while the step before trained (overlap/ahead 1), so the generate phase is only the wait for it. Measured on 2
     cores: reward 0.004 -> 0.833 (without overlap 0.011 -> 0.963; the first steps learn slower, from one-step-old
-    samples and, with transformers, no importance-sampling correction), 0.216 against 0.310 s/step."""
+    samples and, with transformers, no importance-sampling correction), 0.216 against 0.310 s/step. With
+    `generation.mps: on`, as auto runs a large model on a GPU: torchrun under the MPS daemon (here conftest's test
+    double), which quits after the run."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "quickstart", "--set", "generation.overlap=one_step")
+    proc = start(run_dir, "quickstart", *("--set", "generation.overlap=one_step", "--set", "generation.mps=on"),
+                 env=fake_mps)  # fmt: skip
     out, _ = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, out + (run_dir / "train.log").read_text()[-5000:]
     steps = step_records(run_dir)
@@ -172,7 +175,8 @@ def test_an_overlapped_run_learns_with_each_batch_generated_a_step_ahead(tmp_pat
     assert log.count("(transformers) ready; staging buffer") == 2  # one engine process per rank
     stops = [line for line in log.splitlines() if "engine process stopped in" in line]
     assert len(stops) == 2 and not any("dropped" in line for line in stops)  # no batch generated after the last step
-    assert "overlap one_step, engine in its own process" in out
+    assert "overlap one_step, under CUDA MPS, engine in its own process" in out
+    assert "CUDA MPS daemon" in log and (run_dir / "mps" / "fake.json").exists() and (run_dir / "mps" / "quit").exists()
 
 
 @pytest.mark.slow

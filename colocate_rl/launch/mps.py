@@ -4,9 +4,10 @@ processes) run their kernels at once instead of taking time slices. `train` and 
 
 The daemon (`nvidia-cuda-mps-control -f`, in a session of its own, ended with this process however it ends) gets a
 fresh directory under the temp dir for its pipes (a socket path holds ~100 characters) and LOG_DIR for its logs;
-COMMAND finds it by CUDA_MPS_PIPE_DIRECTORY. Stop signals are passed on to COMMAND; once COMMAND ends the daemon is
-asked to quit (killed if it does not) and this process exits with COMMAND's code. When the daemon does not start
-(its control pipe does not appear, or it exits): one line on stderr and in RUN_DIR's events, exit 2, COMMAND not run.
+COMMAND finds it by CUDA_MPS_PIPE_DIRECTORY. Stop signals are passed on to COMMAND (ended, as the daemon is, if this
+process is killed); once COMMAND ends the daemon is asked to quit (killed if it does not) and this process exits with
+COMMAND's code. When the daemon does not start (its control pipe does not appear, or it exits): one line on stderr
+and in RUN_DIR's events, exit 2, COMMAND not run.
 """
 
 from __future__ import annotations
@@ -86,10 +87,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"colocate-rl: {e}", file=sys.stderr, flush=True)
             return 2
         print(f"[colocate-rl] CUDA MPS daemon {daemon.pid} for this run: pipes {pipe}, logs {log_dir}", flush=True)
+        from colocate_rl.launch.supervise import tie_to_this_process
+
+        child: subprocess.Popen | None = None
+
+        def forward(signum: int, _frame) -> None:
+            if child is not None:
+                child.send_signal(signum)
+
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, forward)
         try:
-            child = subprocess.Popen(command, env=env)
-            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                signal.signal(s, lambda signum, _frame: child.send_signal(signum))
+            child = subprocess.Popen(command, env=env, preexec_fn=tie_to_this_process())  # ends if this one is killed
             code = child.wait()
         finally:
             stop_daemon(daemon, env)
