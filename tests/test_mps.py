@@ -38,6 +38,11 @@ def test_the_command_runs_as_the_client_of_a_daemon_of_its_own_that_quits_after_
     assert f"pipe {daemon['pipe']}" in out and "CUDA MPS daemon" in out
     assert len(daemon["pipe"]) < 100  # a socket path: not under a long run directory
     assert (tmp_path / "run" / "mps" / "quit").exists() and not Path(daemon["pipe"]).exists()
+    killed = wrapped(
+        tmp_path, fake_mps, sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    killed.communicate(timeout=60)
+    assert killed.returncode == -signal.SIGKILL  # as torchrun's own status: the launcher reads how it ended
 
 
 def test_a_stop_signal_reaches_the_command_and_the_daemon_still_quits(tmp_path, fake_mps):

@@ -6,8 +6,8 @@ The daemon (`nvidia-cuda-mps-control -f`, in a session of its own, ended with th
 fresh directory under the temp dir for its pipes (a socket path holds ~100 characters) and LOG_DIR for its logs;
 COMMAND finds it by CUDA_MPS_PIPE_DIRECTORY. Stop signals are passed on to COMMAND (ended, as the daemon is, if this
 process is killed); once COMMAND ends the daemon is asked to quit (killed if it does not) and this process exits with
-COMMAND's code. When the daemon does not start (its control pipe does not appear, or it exits): one line on stderr
-and in RUN_DIR's events, exit 2, COMMAND not run.
+COMMAND's code, or ends by the signal that ended COMMAND. When the daemon does not start (its control pipe does not
+appear, or it exits): one line on stderr and in RUN_DIR's events, exit 2, COMMAND not run.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ CONTROL = "nvidia-cuda-mps-control"
 START_S = 30.0  # for the control pipe to appear
 QUIT_S = 30.0  # for the daemon to end after `quit` (it waits for its clients)
 FIX = "set generation.mps: off"
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class MpsError(Exception):
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             if child is not None:
                 child.send_signal(signum)
 
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for s in FORWARDED:
             signal.signal(s, forward)
         try:
             child = subprocess.Popen(command, env=env, preexec_fn=tie_to_this_process())  # ends if this one is killed
@@ -104,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             stop_daemon(daemon, env)
     finally:
         shutil.rmtree(pipe, ignore_errors=True)
+    if code < 0:  # COMMAND was killed by a signal: so is this process, for whoever reads its status
+        if -code in FORWARDED:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
     return 128 - code if code < 0 else code
 
 
