@@ -82,7 +82,7 @@ def main() -> None:
             if mode == "mps" and mps_env is None:
                 logs = a.out / "mps"
                 logs.mkdir(parents=True, exist_ok=True)
-                mps_env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
+                mps_env = mps.client_env(os.environ, pipe, logs)
                 daemon = mps.start_daemon(mps_env, pipe, logs)
             env = mps_env if mode == "mps" else dict(os.environ)
             procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) for argv in argvs]

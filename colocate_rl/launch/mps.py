@@ -19,9 +19,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-CONTROL = "nvidia-cuda-mps-control"
+from colocate_rl.plan.host import MPS_CONTROL as CONTROL
+
 START_S = 30.0  # for the control pipe to appear
 QUIT_S = 30.0  # for the daemon to end after `quit` (it waits for its clients)
 FIX = "set generation.mps: off"
@@ -30,6 +32,11 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 class MpsError(Exception):
     pass
+
+
+def client_env(env: Mapping[str, str], pipe: Path, log_dir: Path) -> dict[str, str]:
+    """`env` for the daemon and its clients: its pipe and log directories."""
+    return {**env, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(log_dir)}
 
 
 def start_daemon(env: dict[str, str], pipe: Path, log_dir: Path) -> subprocess.Popen:
@@ -77,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, log_dir, command = Path(args[0]), Path(args[1]), args[3:]
     log_dir.mkdir(parents=True, exist_ok=True)
     pipe = Path(tempfile.mkdtemp(prefix="colocate-rl-mps-"))
-    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(log_dir)}
+    env = client_env(os.environ, pipe, log_dir)
     try:
         try:
             daemon = start_daemon(env, pipe, log_dir)

@@ -8,6 +8,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+MPS_CONTROL = "nvidia-cuda-mps-control"  # NVIDIA's CUDA MPS control daemon (generation.mps)
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -24,7 +26,7 @@ class Host:
     cpu_count: int = 1
     assumed: bool = False
     ram_gib: float | None = None  # this machine's memory; None for a host described on the command line
-    mps_control: bool = False  # nvidia-cuda-mps-control is on PATH (generation.mps)
+    mps_control: bool = False  # MPS_CONTROL is on PATH (generation.mps)
     mps_pipe_set: bool = False  # CUDA_MPS_PIPE_DIRECTORY is set: an MPS daemon of the user's serves the run
 
     @property
@@ -100,7 +102,7 @@ def detect_host() -> Host:
         has_vllm=importlib.util.find_spec("vllm") is not None,
         cpu_count=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
         ram_gib=psutil.virtual_memory().total / 2**30,
-        mps_control=shutil.which("nvidia-cuda-mps-control") is not None,
+        mps_control=shutil.which(MPS_CONTROL) is not None,
         mps_pipe_set=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
     )
 

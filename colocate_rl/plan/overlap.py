@@ -6,7 +6,7 @@ Torch-free; reads nothing."""
 from __future__ import annotations
 
 from colocate_rl.plan.choices import EngineProcessesChoice, MpsChoice, OverlapChoice
-from colocate_rl.plan.host import Host
+from colocate_rl.plan.host import MPS_CONTROL, Host
 from colocate_rl.recipe.schema import Recipe
 
 # engine_processes auto: the largest model (billions of parameters) whose generation waited on vLLM's per-token loop,
@@ -19,7 +19,6 @@ ENGINE_CORES = 4  # CPU cores a rank needs for two engine loops beside the train
 # on an H200 (docs/benchmarks, invocation O: 4.62 s/step against 5.39 without MPS); at 135M it did not help
 # (invocation B). Sizes in between are unmeasured: off.
 MPS_MODEL_B = 1.7
-MPS_CONTROL = "nvidia-cuda-mps-control"
 
 
 def overlap_blockers(recipe: Recipe, backend: str) -> list[str]:
