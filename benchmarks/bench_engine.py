@@ -80,6 +80,8 @@ def command(name: str, out: Path, steps: int) -> list[str]:
         f"trainer.max_steps={steps}",
         "--set",
         "output.save_model=false",
+        "--set",
+        "generation.overlap=off",  # the rows measure generation and training in turn (overlap: bench_overlap.py)
     ]
     for item in sets:
         argv += ["--set", item]

@@ -93,7 +93,8 @@ def standalone_out(out: Path, name: str, stage: str) -> Path:
 def colocated_command(name: str, base: str, out: Path, args: argparse.Namespace, stage: str = "colocated") -> list[str]:
     """`colocate-rl train` of the workload; stage trl: with TRL_ENGINE, after the experiment's --set."""
     _, recipe, sets = WORKLOADS[base]
-    sets = sets + [f"trainer.max_steps={args.steps}", "output.save_model=false"]
+    # the engine in the rank, generating in turn with training (the engine process: --set generation.engine_process=true)
+    sets = sets + [f"trainer.max_steps={args.steps}", "output.save_model=false", "generation.overlap=off"]
     if base in NEEDS_MODEL:
         sets += [f"model.name={Path(args.model).resolve()}", f"data.source={Path(args.data).resolve()}"]
     argv = [sys.executable, "-m", "colocate_rl", "train", recipe, "--run-dir", str(run_dir(out, name, stage))]

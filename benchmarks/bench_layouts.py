@@ -106,6 +106,7 @@ def colocated_command(
         f"trainer.seed={SEED}",
         "distributed.nproc_per_node=2",
         "output.save_model=false",
+        "generation.overlap=off",  # the rows measure generation and training in turn (overlap: bench_overlap.py)
         *ROWS[row][0],
     ]
     argv = [sys.executable, "-m", "colocate_rl", "train", str(RECIPE), "--run-dir", str(run_dir)]

@@ -154,9 +154,13 @@ ROWS = [
 ]
 
 
+EARLIER_DEFAULTS = "generation.overlap=off"  # every row ran before overlap: auto became the default (a row may set it)
+
+
 def row_estimate(recipe: str, gpus: int, sets: tuple[str, ...], util: float | None, prompt: int | None) -> E.Estimate:
     data = read_yaml(find_recipe(recipe))
-    overrides = parse_sets([*sets, *[f"generation.vllm_gpu_memory_utilization={util}"] * (util is not None)])
+    util_set = [f"generation.vllm_gpu_memory_utilization={util}"] * (util is not None)
+    overrides = parse_sets([EARLIER_DEFAULTS, *sets, *util_set])
     r = resolve(parse_recipe(apply_overrides(data, overrides)), assumed_host(gpus, H200_GIB))
     return E.estimate(r, H200_GIB, prompt)
 

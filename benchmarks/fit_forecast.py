@@ -108,7 +108,8 @@ OVERLAP_OFF = {"A2": SHARE_03, "C": SHARE_03, "D": SHARE_AUTO, "D2": SHARE_AUTO,
 # generation-results' rows with micro_batch_size auto: the micro-batch auto chose then (the benchmarks README), pinned
 # because the memory estimate has changed since
 MB_AUTO_RAN = {"c256+mbauto": 128, "a128+mbauto": 64}
-MACHINE_PATHS = ("model.name", "data.source")  # the run's local copies: the recipe's hub names instead
+MACHINE_PATHS = ("model.name", "data.source")
+EARLIER_DEFAULTS = "generation.overlap=off"  # every row ran before overlap: auto became the default (a row may set it)  # the run's local copies: the recipe's hub names instead
 # Raw `mem-probe --json` output (docs/benchmarks/results/raw-*/): its timed trials that completed, each a row. The
 # probe ran the recipe with these `--set` options (the model a random-init copy of the hub model's shape, built by
 # bench_overlap.py; the data the local GSM8K-style file), then its own pinned sets, the trial's share and config.
@@ -173,7 +174,8 @@ def h200(gpus: int) -> Host:
 
 def resolved_row(recipe: str, sets: list[str], gpus: int, model: str | None = None):
     """The row's plan on `gpus` H200s; `model`: the hub model whose shape the run's local model had."""
-    sets = [s for s in sets if s.split("=")[0] not in MACHINE_PATHS] + [f"distributed.nproc_per_node={gpus}"]
+    sets = [EARLIER_DEFAULTS, *(s for s in sets if s.split("=")[0] not in MACHINE_PATHS)]
+    sets += [f"distributed.nproc_per_node={gpus}"]
     sets += [f"model.name={model}"] * (model is not None)
     return resolve(parse_recipe(apply_overrides(RECIPES[recipe], parse_sets(sets))), h200(gpus))
 

@@ -13,6 +13,7 @@ into one). Every step raises UserError with one line per problem; nothing here w
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -21,22 +22,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from colocate_rl.errors import UserError
+from colocate_rl.plan.choices import EngineProcessesChoice, OverlapChoice
 from colocate_rl.plan.host import Host
-from colocate_rl.plan.launch_checks import check_launch_paths, newest_whole_checkpoint
+from colocate_rl.plan.launch_checks import check_launch_paths
 from colocate_rl.plan.launch_plan import LaunchPlan, cache_dir, make_plan
 from colocate_rl.plan.preflight import Preflight, preflight
 from colocate_rl.plan.resolve import bind_to_host, check_engine
-from colocate_rl.plan.resolved import Resolved, auto_keys
+from colocate_rl.plan.resolved import Resolved, with_values
 from colocate_rl.plan.sources import explain_sources, layer_distributed
 from colocate_rl.plan.tools import check_tool_layout
 from colocate_rl.recipe.load import apply_overrides, parse_recipe, read_yaml
 from colocate_rl.recipe.paths import resolve_override_paths, resolve_paths
 from colocate_rl.recipe.schema import Recipe
 from colocate_rl.recipe.shipped import find_recipe
-from colocate_rl.rundir import RunDir, default_run_dir
+from colocate_rl.rundir import default_run_dir
 
 if TYPE_CHECKING:
-    from colocate_rl.plan.launch_spec import LaunchSpec
+    pass
 
 
 def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolved:
@@ -47,13 +49,40 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
     level 2 instead of 0 where the step-time forecast says a larger micro-batch asleep is faster);
     `engine_processes: auto` before the share (which holds every copy); `overlap: auto` after the sleep level
     (one_step when vLLM stays awake and nothing rules it out; one_step itself makes `sleep_level: auto` 0), `mps`
-    last; the resolved recipe holds what was chosen, `recorded_recipe()` every value. One UserError lists all."""
+    last. With overlap, the engine process and their count all auto, the plan is made as overlap would run it (the
+    engine in its own process, as many as one_step gets), then with one engine process; where neither overlaps,
+    without overlap. The resolved recipe holds what was chosen, `recorded_recipe()` every value. One UserError
+    lists all."""
+    pre = pre if pre is not None else preflight(recipe)
+    gen = recipe.generation
+    if not gen.overlap == gen.engine_process == gen.engine_processes == "auto":
+        return _resolve(recipe, host, pre)
+    try:
+        tried = _resolve(recipe, host, pre, plan_overlap=True)
+    except UserError as e:  # the engine process did not fit: planned without overlap (which may fail in turn)
+        why = f"with vLLM in an engine process of its own: {e.lines[0]}"
+    else:
+        if tried.recipe.generation.overlap == "one_step" or tried.recipe.generation.engine_process == "auto":
+            return tried  # overlapped, or nothing to plan overlap for (`overlap_may_run`)
+        why = tried.overlap_choice.reason
+        if (n := tried.recipe.generation.engine_processes) > 1:
+            with contextlib.suppress(UserError):
+                one = _resolve(with_values(recipe, {"generation.engine_processes": 1}), host, pre, plan_overlap=True)
+                if one.recipe.generation.overlap == "one_step":
+                    fewer = f"with {n} engine processes trainer and vLLM did not fit awake together for overlap"
+                    return replace(one, engine_processes_choice=EngineProcessesChoice(1, fewer))
+    off = _resolve(with_values(recipe, {"generation.overlap": "off"}), host, pre)
+    if off.recipe.generation.sleep_level == 0:
+        why = "trainer and vLLM fit awake together only with vLLM in the rank's process (an engine process of its own takes a CUDA context and a staging buffer more)"
+    return replace(off, overlap_choice=OverlapChoice(False, why))
+
+
+def _resolve(recipe: Recipe, host: Host, pre: Preflight, plan_overlap: bool = False) -> Resolved:
     from colocate_rl.memory import autolayout as al
     from colocate_rl.memory.micro_batch import choose_micro_batch_and_sleep, with_micro_batch
-    from colocate_rl.plan.overlap import choose_overlap
+    from colocate_rl.plan.overlap import choose_overlap, overlap_may_run
 
-    pre = pre if pre is not None else preflight(recipe)
-    auto_sleep = recipe.generation.sleep_level == "auto"
+    as_written, auto_sleep = recipe, recipe.generation.sleep_level == "auto"
     overlap = recipe.generation.overlap
     if auto_sleep:  # one_step keeps vLLM awake: 0, decided by the recipe rather than by memory
         recipe = al.with_sleep_level(recipe, 0 if overlap == "one_step" else 2)
@@ -63,6 +92,8 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
         recipe = al.with_share(recipe, al.DEFAULT_SHARE)
     resolved = bind_to_host(recipe, host, pre)
     gpu_gib = min(g.memory_gib for g in host.gpus) if host.gpus else None
+    if plan_overlap and overlap_may_run(as_written, resolved.backend):  # estimated as overlap would run
+        resolved = replace(resolved, recipe=with_values(resolved.recipe, {"generation.engine_process": True}))
     resolved = al.with_engine_processes(resolved, auto_share)  # before the share, which holds every copy
     if auto_share:  # first: the layout, sleep level and micro-batch are chosen for what the trainer has left
         share = al.choose_share(resolved, gpu_gib)
@@ -240,161 +271,3 @@ def estimate_host(
                 "plan for N GPUs per node"
             )
     return planning_host(gpus, gib, detect=lambda: detected), gib
-
-
-# What a resumed run may change: nothing its checkpoint was trained with (model, data, rewards, optimizer, batch,
-# ranks, trainer layout: the run directory records every value `auto` decided, and a resume decides nothing again);
-# more steps, logging, checkpoints, the watchdog, report backends, the push to the Hub, the node's place in the job.
-RESUMABLE = (
-    "trainer.max_steps",
-    "trainer.logging_steps",
-    "checkpoint.",
-    "watchdog.",
-    "output.report_to",
-    "output.save_model",
-    "output.push_to_hub",
-    "output.hub_private",
-    "generation.check_weights",
-    "distributed.node_rank",
-    "distributed.rdzv_endpoint",
-    "distributed.rdzv_id",
-    "distributed.rdzv_backend",
-)
-
-
-def _earlier_version_values(recipe: Recipe, spec: LaunchSpec, deepspeed: dict[str, Any] | None) -> dict[str, Any]:
-    """A run directory written before every decided value went into its recipe.yaml: the keys it leaves `auto`, as
-    its launch.json and deepspeed.json hold them (dotted key → value; {} for a run directory of this version)."""
-    from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout
-
-    args, zero = spec.trl_args, ZeroLayout.of(deepspeed)
-    known = {
-        "distributed.nproc_per_node": spec.world_size // recipe.distributed.nnodes,
-        "distributed.mixed_precision": "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "no",
-        "model.dtype": spec.model_dtype,
-        "generation.backend": spec.backend,
-        "trainer.gradient_checkpointing": bool(args.get("gradient_checkpointing")),
-        "distributed.zero_stage": zero.stage,
-        "generation.engine_process": spec.engine_process,  # False before it existed
-        "generation.engine_processes": spec.engine.processes if spec.engine is not None else 1,  # 1 before it existed
-        "generation.mps": "off",  # before it existed
-    }
-    out = {key: value for key, value in known.items() if key in auto_keys(recipe)}
-    if "distributed.zero_stage" in out:
-        dist = recipe.distributed
-        out["distributed.deepspeed"] = dist.deepspeed or AUTO_BASE_CONFIG
-        out.update({f"distributed.{k}": getattr(zero, k) for k in ("offload_optimizer", "offload_params")})
-    return out
-
-
-def _resume_checkpoint(paths: RunDir, run_dir: Path) -> Path:
-    """The checkpoint a resume continues from: the newest complete one whose files are whole. A newer one with a file
-    cut off is passed over with a note on stderr; UserError naming the file when none is left."""
-    complete = paths.complete_checkpoints()
-    if not complete:
-        raise UserError(
-            f"--resume {run_dir}: no complete checkpoint in {paths.checkpoints} (one cut off mid-save does not "
-            "count); start the run again with `colocate-rl train`"
-        )
-    latest, passed = newest_whole_checkpoint(complete)
-    if latest is None:
-        raise UserError(
-            f"--resume {run_dir}: no checkpoint is whole ({'; '.join(passed)}); restore the file from a copy, or start "
-            "the run again with `colocate-rl train`"
-        )
-    for problem in passed:  # the launcher prints what it resumes from; this says why not from the newest
-        print(f"note: {problem}: resuming from {latest.name}, the newest whole checkpoint", file=sys.stderr)
-    return latest
-
-
-def _check_unedited(paths: RunDir, as_written: Resolved, recorded_hash: str) -> None:
-    """UserError naming recipe.yaml when its recipe (`as_written`, resolved) is not the one launch.json's recipe hash
-    was made for: the file was edited after the run was written."""
-    from colocate_rl.plan.identity import identity_hash, recipe_identity
-
-    found = identity_hash(recipe_identity(as_written))
-    if found != recorded_hash:
-        raise UserError(
-            f"{paths.recipe}: edited since the run wrote it (its recipe hash is {found}, launch.json's {recorded_hash}); "
-            "a resume trains on with what the checkpoint was trained with: undo the edit (steps, logging and "
-            "checkpoints may change with --set, e.g. --set trainer.max_steps=N), or start a new run from the edited "
-            "recipe"
-        )
-
-
-def plan_resume(
-    run_dir: Path,
-    overrides: Mapping[str, Any] | None = None,
-    *,
-    host: Host,
-    flags: Mapping[str, Any] | None = None,
-    env: Mapping[str, str],
-    cwd: Path,
-    python: str = sys.executable,
-) -> tuple[Resolved, LaunchPlan]:
-    """`train --resume RUN_DIR`: the run's own recipe as its run directory recorded it (every `auto` decided when
-    it started, and its deepspeed.json as written) plus the `RESUMABLE` overrides, planned to continue from its newest
-    complete checkpoint whose files are whole (launch.json's resume_from, which every rank takes) with the same ranks;
-    nothing is decided again. Fails (UserError) when there is nothing to resume, the run finished, an override would
-    change what the checkpoint carries, recipe.yaml was edited since (launch.json's recipe hash), deepspeed.json is
-    broken, or the ranks differ."""
-    from colocate_rl.plan.launch_checks import run_deepspeed
-    from colocate_rl.plan.launch_spec import LaunchSpec
-
-    paths = RunDir((cwd / run_dir) if not Path(run_dir).is_absolute() else Path(run_dir))
-    if not paths.recipe.is_file() or not paths.launch_spec.is_file():
-        raise UserError(
-            f"--resume {run_dir}: not a run directory (no recipe.yaml and launch.json); pass the run directory "
-            "`colocate-rl train` printed"
-        )
-    if paths.done.exists():
-        raise UserError(f"--resume {run_dir}: the run already finished ({paths.done}); start a new run instead")
-    frozen = [key for key in overrides or {} if not key.startswith(RESUMABLE)]
-    if frozen:
-        raise UserError(
-            *(
-                f"--set {key}: a resumed run keeps what its checkpoint was trained with; start a new run to change it "
-                f"(a resume may change only {', '.join(k.rstrip('.') for k in RESUMABLE)})"
-                for key in frozen
-            )
-        )
-    latest, earlier = _resume_checkpoint(paths, run_dir), LaunchSpec.read(paths.launch_spec)
-    deepspeed = run_deepspeed(paths, earlier)
-    recorded = read_yaml(paths.recipe)
-    earlier_values = _earlier_version_values(parse_recipe(recorded, str(paths.recipe)), earlier, deepspeed)
-    overrides = resolve_override_paths(overrides or {}, cwd)  # the run's recipe.yaml holds absolute paths
-    data, _ = layer_distributed(apply_overrides(recorded, earlier_values), overrides, flags or {}, env)
-    recipe = parse_recipe(data, str(paths.recipe))
-    left = auto_keys(recipe)
-    if left:  # sleep level and micro-batch: recorded by every version that had them auto
-        raise UserError(
-            f"--resume {run_dir}: its recipe.yaml leaves {', '.join(left)} auto (written by an earlier colocate-rl), "
-            "so the value it trained with is not known; start a new run"
-        )
-    resolved = resolve(recipe, host, for_launch(preflight(recipe), host))
-    if not earlier_values:  # a run directory of this version: its recipe.yaml must be the one launch.json was made for
-        as_written = resolve(parse_recipe(recorded, str(paths.recipe)), host, resolved.preflight)
-        _check_unedited(paths, replace(as_written, device=earlier.device, deepspeed=deepspeed), earlier.recipe_hash)
-    if resolved.world_size != earlier.world_size:
-        raise UserError(
-            f"--resume {run_dir}: its checkpoints were written by {earlier.world_size} ranks and this launch has "
-            f"{resolved.world_size}; resume with as many ranks (GPUs, nodes) as the run started with"
-        )
-    resolved = replace(resolved, deepspeed=deepspeed)  # as the run trained with it, whatever its base file says now
-    step = int(latest.name.rpartition("-")[2])
-    if resolved.recipe.trainer.max_steps <= step:
-        raise UserError(
-            f"trainer.max_steps: {resolved.recipe.trainer.max_steps} is not beyond the checkpoint's step {step}; "
-            f"raise it (--set trainer.max_steps=N) to train on"
-        )
-    check_launch_paths(paths.path, cache_dir(env), this_machine=not host.assumed)
-    plan = make_plan(
-        resolved,
-        run_dir=paths.path,
-        python=python,
-        cwd=cwd,
-        cache_dir=cache_dir(env),
-        base_env=env,
-        resume_from=str(latest),
-    )  # forecast.json stays as the run's start wrote it
-    return resolved, plan

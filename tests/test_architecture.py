@@ -39,6 +39,7 @@ LEVELS = {
     "rank": 4,
     "memory": 4,
     "pipeline": 5,
+    "resume": 5.5,  # train --resume's plan (imports pipeline's resolve)
     "cli": 6,
     "__main__": 7,
     "worker": 7,

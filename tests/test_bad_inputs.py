@@ -1229,7 +1229,7 @@ def cut(path: Path) -> None:
 
 
 def test_resume_passes_over_a_checkpoint_cut_off(tmp_path, capsys):
-    from colocate_rl.pipeline import plan_resume
+    from colocate_rl.resume import plan_resume
 
     run_dir = stopped_run(tmp_path)
     cut(run_dir / "checkpoints" / "checkpoint-4" / "optimizer.pt")

@@ -287,7 +287,7 @@ def test_qwen05b_one_gpu_by_hand():
 
 
 def test_sleep_off_keeps_the_whole_share_in_every_phase():
-    e = est(QWEN05, 1, "generation.sleep_level=0", prompt=256)
+    e = est(QWEN05, 1, "generation.sleep_level=0", "generation.overlap=off", prompt=256)  # the engine in the rank
     assert "vLLM sleep residue" not in e.terms and e.awake == E.MEMORY_PHASES
     training_fixed = 1.25 + 8 * N05 / GIB + 10.828125 + ALLOWANCE05  # besides vLLM
     assert e.total("training") == pytest.approx(training_fixed + 0.25 * 80)

@@ -18,6 +18,7 @@ from colocate_rl.telemetry import report as rep
 
 H200 = Host(gpus=(Gpu("NVIDIA H200", H200_GIB),), has_vllm=True, cpu_count=16)
 H200_ARGS = ("--gpus", "1", "--gpu-memory", "140")
+TURNS = ("generation.overlap=off",)  # generation and training in turn, as every row ran (overlap gets no forecast)
 # Largest |fit − measured| / measured (%) over the rows, each phase and s/step, with every row in the fit
 IN_SAMPLE_LARGEST = {
     "s/step": 26,
@@ -107,8 +108,8 @@ def test_the_rows_resolve_to_what_they_ran(fit):
 
 
 def test_rloo_runs_trls_old_logprob_forward_and_grpo_forms_them_in_the_loss():
-    grpo = resolved("smollm2-135m-gsm8k", H200)
-    rloo = resolved("smollm2-135m-gsm8k", H200, "algorithm=rloo")
+    grpo = resolved("smollm2-135m-gsm8k", H200, *TURNS)
+    rloo = resolved("smollm2-135m-gsm8k", H200, "algorithm=rloo", *TURNS)
     assert (fc.shape_of(grpo).old_forward, fc.shape_of(rloo).old_forward) == (False, True)
     extra = fc.forecast(rloo).phases["rest"] - fc.forecast(grpo).phases["rest"]
     completions = rloo.recipe.trainer.step_completions
@@ -132,7 +133,7 @@ def test_a_cpu_run_gets_no_forecast():
         ("gpu-7b-layout-1gpu", H200, (), "offload"),  # auto's layout offloads the optimizer
         ("smollm2-135m-calculator", H200, (), "tools"),
         ("smollm2-135m-gsm8k", H200, ("generation.overlap=one_step",), "generation.overlap: one_step"),
-        ("smollm2-135m-gsm8k", H200, ("generation.engine_process=true",), "generation.engine_process"),
+        ("smollm2-135m-gsm8k", H200, ("generation.engine_process=true", *TURNS), "generation.engine_process"),
         ("qwen2.5-72b-grpo-colocate", assumed_host(8, 140.0), (), "several nodes"),  # before any GPU check
         ("quickstart", CPU, ("distributed.nnodes=2", "distributed.rdzv_endpoint=node0:29500"), "several nodes"),
     ],
@@ -154,7 +155,7 @@ def test_a_forecast_names_what_is_beyond_the_rows():
 
 
 def test_the_forecast_is_the_sum_of_its_phases():
-    f = fc.forecast(resolved("smollm2-135m-gsm8k", H200, "trainer.max_steps=50"))
+    f = fc.forecast(resolved("smollm2-135m-gsm8k", H200, "trainer.max_steps=50", *TURNS))
     assert f.gpu == "H200" and list(f.phases) == list(fc.PHASES) and f.phases["sleep/wake"] == 0  # auto: sleep 0
     assert f.s_per_step == pytest.approx(sum(f.phases.values()))
     assert f.total_s == pytest.approx(50 * f.s_per_step + fc.STARTUP_S[0])

@@ -21,10 +21,10 @@ from colocate_rl.plan.launch_plan import make_plan
 from colocate_rl.telemetry import events
 
 
-def wrapped(tmp_path, env: dict[str, str], *command: str, **popen) -> subprocess.Popen:
+def wrapped(tmp_path, env: dict[str, str], *command: str, flags: tuple[str, ...] = (), **popen) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "colocate_rl.launch.mps", str(tmp_path / "run"), str(tmp_path / "run" / "mps"), "--",
-         *command], env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
+        [sys.executable, "-m", "colocate_rl.launch.mps", *flags, str(tmp_path / "run"), str(tmp_path / "run" / "mps"),
+         "--", *command], env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
     )  # fmt: skip
 
 
@@ -72,6 +72,20 @@ def test_a_daemon_that_does_not_start_ends_it_in_one_line_before_the_command_run
     assert events.user_errors(tmp_path / "run") == [err.strip().removeprefix("colocate-rl: ")]
 
 
+def test_a_daemon_auto_chose_that_does_not_start_leaves_the_command_to_run_without_it(tmp_path, fake_mps):
+    (tmp_path / "run").mkdir()
+    env = {**fake_mps, "FAKE_MPS_FAIL": "cannot open /dev/nvidia0"}
+    show = "import os, sys; print(os.environ.get('CUDA_MPS_PIPE_DIRECTORY')); sys.exit(3)"
+    proc = wrapped(tmp_path, env, sys.executable, "-c", show, flags=("--or-without",))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and out.strip() == "None"  # the command's own code, no daemon's pipe
+    assert err.strip() == (
+        "colocate-rl: generation.mps auto: the CUDA MPS daemon (nvidia-cuda-mps-control) did not start: cannot open "
+        "/dev/nvidia0; running without MPS"
+    )
+    assert events.user_errors(tmp_path / "run") == []
+
+
 def on_h200(recipe, *sets, **host):
     return resolved_for(recipe, assumed_host(1, H200_GIB, **host), *sets)
 
@@ -83,9 +97,32 @@ def test_auto_runs_a_large_model_overlapped_under_mps_and_the_launch_starts_the_
     assert r.mps_choice.line() in r.choice_lines()
     run_dir = tmp_path / "run"
     plan = make_plan(r, run_dir=run_dir, python="python", cwd=tmp_path, cache_dir=tmp_path, base_env={})
-    assert plan.argv[:6] == ["python", "-m", "colocate_rl.launch.mps", str(run_dir), str(run_dir / "mps"), "--"]
-    assert plan.argv[6:9] == ["python", "-m", "torch.distributed.run"]
+    wrapper = ["python", "-m", "colocate_rl.launch.mps", "--or-without", str(run_dir), str(run_dir / "mps"), "--"]
+    assert plan.argv[:7] == wrapper  # auto's daemon: a run without it where it does not start
+    assert plan.argv[7:10] == ["python", "-m", "torch.distributed.run"]
+    explicit = on_h200(QWEN7_1GPU, "generation.overlap=one_step", "generation.sleep_level=0", "generation.mps=on")
+    argv = make_plan(explicit, run_dir=run_dir, python="python", cwd=tmp_path, cache_dir=tmp_path, base_env={}).argv
+    assert argv[:7] == [*wrapper[:3], *wrapper[4:], "python"]  # asked for: a daemon that does not start ends the run
     assert "colocate_rl.launch.owner" in plan.files["launch.sh"] and "colocate_rl.launch.mps" in plan.files["launch.sh"]
+
+
+def test_a_resume_may_turn_mps_off_and_runs_without_the_daemon(tmp_path):
+    """The daemon changes how the GPU runs the kernels, not what they compute: the one setting of overlap's a resume
+    may change (the message of a daemon that does not start says to set it off)."""
+    from colocate_rl.resume import plan_resume
+    from colocate_rl.rundir import CHECKPOINT_COMPLETE, write_run_dir
+
+    sets = ("generation.overlap=one_step", "generation.sleep_level=0", "generation.mps=on", "trainer.max_steps=4")
+    host = assumed_host(1, H200_GIB)
+    run_dir, started = tmp_path / "run", resolved_for(QWEN7_1GPU, host, *sets)
+    kw = dict(python="python", cwd=tmp_path, cache_dir=tmp_path, base_env={})
+    write_run_dir(run_dir, make_plan(started, run_dir=run_dir, **kw).files)
+    (run_dir / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    (run_dir / "checkpoints" / "checkpoint-2" / CHECKPOINT_COMPLETE).write_text("{}")
+    resume = dict(host=host, env={}, cwd=tmp_path, python="python")
+    assert "colocate_rl.launch.mps" in plan_resume(run_dir, **resume)[1].argv
+    r, plan = plan_resume(run_dir, {"generation.mps": "off"}, **resume)
+    assert r.recipe.generation.overlap == "one_step" and "colocate_rl.launch.mps" not in plan.argv
 
 
 @pytest.mark.parametrize(

@@ -48,9 +48,9 @@ def test_auto_overlaps_where_trainer_and_vllm_fit_awake(tmp_path):
     r = on_h200(QWEN05, "generation.overlap=auto", "generation.sleep_level=auto")
     assert r.recipe.generation.sleep_level == 0 and r.recipe.generation.overlap == "one_step"
     assert r.overlap_choice.on and r.overlap_choice.line().startswith("generation.overlap auto: one_step — trainer and")
-    assert r.choice_lines()[0] == (  # decided before overlap: the share is sized for one engine process
-        "generation.engine_processes auto: 1 — generation.overlap: auto is decided after vLLM's share, sized for one "
-        "engine process (set generation.overlap: one_step to let auto choose)"
+    assert r.choice_lines()[0] == (  # decided before overlap, as if it will run
+        "generation.engine_processes auto: 1 — generation.vllm_gpu_memory_utilization is set, for one engine process "
+        "(set generation.engine_processes: 2 to split it)"
     )
     recorded = r.recorded_recipe().generation
     assert (recorded.overlap, recorded.engine_process) == ("one_step", True)  # no auto left for a resume to decide
@@ -66,13 +66,15 @@ def test_ranks_beside_an_awake_engine_process_run_torchs_allocator_on_expandable
     xs = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     overlapped = on_h200(QWEN05, "generation.overlap=one_step", "generation.sleep_level=0")
     assert rank_env(overlapped, {}, tmp_path).items() >= xs.items()
-    awake = on_h200(QWEN05, "generation.engine_process=true", "generation.sleep_level=0")  # without overlap too
+    awake = on_h200(QWEN05, "generation.engine_process=true", "generation.sleep_level=0", "generation.overlap=off")
     assert awake.recipe.generation.overlap == "off" and rank_env(awake, {}, tmp_path).items() >= xs.items()
     assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env(
         overlapped, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, tmp_path
     )
     asleep = on_h200(QWEN05, "generation.engine_process=true", "generation.sleep_level=2")  # vLLM's sleep pool
-    in_rank = on_h200(QWEN05, "generation.sleep_level=0")  # the engine in the rank's process: not measured
+    in_rank = on_h200(
+        QWEN05, "generation.sleep_level=0", "generation.overlap=off"
+    )  # the engine in the rank: not measured
     for r in (asleep, in_rank, on_h200(QWEN05)):
         assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env(r, {}, tmp_path)
     cpu = resolved_for(QWEN05, CPU, "generation.overlap=one_step", "generation.sleep_level=0")
@@ -97,12 +99,43 @@ def test_auto_does_not_overlap_where_vllm_must_sleep_or_something_rules_it_out(t
     assert cpu.recipe.generation.overlap == "off" and "overlap is for vLLM on GPUs" in cpu.overlap_choice.reason
 
 
-def test_the_default_is_off_with_the_engine_in_the_rank(tmp_path):
-    r = on_h200(QWEN05)
-    assert r.recipe.generation.overlap == "off" and r.overlap_choice is None
-    assert r.recorded_recipe().generation.engine_process is False
+def test_the_default_is_auto_overlapping_where_it_fits_with_the_engine_processes_one_step_would_run(tmp_path):
+    """A recipe that leaves overlap, the engine process and their count to auto gets the engine processes an
+    explicit one_step would (two on a 135M model, the share sized for both) where they fit awake beside the
+    trainer; where only one does, all is planned again for one; where none does, overlap is off."""
+    r = on_h200("smollm2-135m-gsm8k")
+    explicit = on_h200("smollm2-135m-gsm8k", "generation.overlap=one_step")
+    gen = r.recipe.generation
+    assert (gen.overlap, gen.engine_process, gen.engine_processes, gen.sleep_level) == ("one_step", True, 2, 0)
+    assert gen.vllm_gpu_memory_utilization == explicit.recipe.generation.vllm_gpu_memory_utilization == 0.09
+    assert r.choice_lines()[0] == explicit.choice_lines()[0]  # "engine_processes auto: 2 — a model of 0.13B …"
+    assert r.overlap_choice.line().startswith("generation.overlap auto: one_step — trainer and vLLM fit awake")
     launch = launch_of(r, tmp_path)
-    assert launch["overlap"] is False and launch["engine_process"] is False
+    assert (launch["overlap"], launch["engine_process"], launch["engine"]["processes"]) == (True, True, 2)
+    one = resolved_for("smollm2-135m-gsm8k", assumed_host(1, 34.0))  # two do not fit awake, one does
+    assert (one.recipe.generation.overlap, one.recipe.generation.engine_processes) == ("one_step", 1)
+    assert one.engine_processes_choice.reason == (
+        "with 2 engine processes trainer and vLLM did not fit awake together for overlap"
+    )
+    assert one.recipe.generation.vllm_gpu_memory_utilization < 0.14 + 0.01  # sized for one copy
+    in_rank = resolved_for("smollm2-135m-gsm8k", assumed_host(1, 32.0))  # only with vLLM in the rank's process
+    assert (in_rank.recipe.generation.overlap, in_rank.recipe.generation.sleep_level) == ("off", 0)
+    assert "fit awake together only with vLLM in the rank's process" in in_rank.overlap_choice.reason
+    none = resolved_for("smollm2-135m-gsm8k", assumed_host(1, 30.0))
+    assert (none.recipe.generation.overlap, none.recipe.generation.sleep_level) == ("off", 2)
+    assert none.overlap_choice.reason.endswith("(sleep level 2: trainer and vLLM do not fit awake together)")
+    assert launch_of(none, tmp_path)["engine_process"] is False
+    cpu = resolved_for("quickstart", CPU)
+    assert cpu.recipe.generation.overlap == "off" and "overlap is for vLLM on GPUs" in cpu.overlap_choice.reason
+
+
+def test_auto_never_overlaps_with_the_engine_in_the_rank():
+    r = on_h200("smollm2-135m-gsm8k", "generation.engine_process=false")
+    assert r.recipe.generation.overlap == "off" and r.recorded_recipe().generation.engine_process is False
+    assert (
+        r.overlap_choice.reason
+        == "generation.engine_process: false (overlap generates in an engine process of its own)"
+    )
 
 
 def test_one_step_keeps_vllm_awake_whatever_the_memory_estimate_would_pick():
@@ -264,7 +297,7 @@ def test_the_memory_estimate_counts_the_engine_process():
     """A second CUDA context and the staging buffer (the whole bf16 0.5B model: smaller than a 1 GiB bucket)."""
     from colocate_rl.memory.estimate import CUDA_CONTEXT_GIB, estimate
 
-    inside = estimate(on_h200(QWEN05, "generation.sleep_level=0"), H200_GIB)
+    inside = estimate(on_h200(QWEN05, "generation.sleep_level=0", "generation.overlap=off"), H200_GIB)
     overlap = ("generation.overlap=one_step", "generation.sleep_level=auto")
     own = estimate(on_h200(QWEN05, *overlap), H200_GIB)
     term = own.terms["engine process (CUDA context, staging buffer)"]
@@ -333,8 +366,7 @@ def test_the_estimate_says_the_batch_is_split_and_each_engine_process_has_its_we
 @pytest.mark.parametrize(
     ("recipe", "sets", "host", "reason"),
     [
-        ("smollm2-135m-gsm8k", (), None, "the engine runs in the rank's process"),
-        ("smollm2-135m-gsm8k", ("generation.overlap=auto",), None, "generation.overlap: auto is decided after"),
+        ("smollm2-135m-gsm8k", ("generation.overlap=off",), None, "the engine runs in the rank's process"),
         (
             "smollm2-135m-gsm8k",
             ("generation.overlap=one_step", "generation.vllm_gpu_memory_utilization=0.2"),
@@ -349,7 +381,7 @@ def test_the_estimate_says_the_batch_is_split_and_each_engine_process_has_its_we
         ),
         ("smollm2-135m-gsm8k", ("generation.overlap=one_step",), 3, "3 CPU cores a rank (two engine loops need 4)"),
     ],
-    ids=["in-the-rank", "overlap-auto", "explicit-share", "0.5b", "3-cores"],
+    ids=["in-the-rank", "explicit-share", "0.5b", "3-cores"],
 )
 def test_engine_processes_auto_runs_one_otherwise_and_says_why(recipe, sets, host, reason):
     h = assumed_host(1, H200_GIB, **({"cpu_count": host} if host else {}))

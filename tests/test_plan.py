@@ -9,11 +9,12 @@ from conftest import CPU, GPU8, H200_GIB, QWEN05
 from conftest import resolved as resolved_for
 
 from colocate_rl.errors import UserError
-from colocate_rl.pipeline import plan_resume, resolve
+from colocate_rl.pipeline import resolve
 from colocate_rl.plan.host import assumed_host
 from colocate_rl.plan.launch_plan import extensions_dir, make_plan
 from colocate_rl.plan.resolved import AUTO_KEYS, auto_keys
 from colocate_rl.recipe.load import parse_recipe
+from colocate_rl.resume import plan_resume
 
 RUN = Path("/runs/r1")
 CACHE = Path("/cache/colocate-rl")
@@ -244,7 +245,6 @@ def test_resume_plans_with_what_the_run_recorded_and_decides_nothing(tmp_path, g
     now = resolved_for(ALL_AUTO, assumed_host(2, gib), "trainer.max_steps=4").recorded_recipe()
     assert decided(now) != decided(recorded) and now.trainer.micro_batch_size is None
     assert now.trainer.per_device_train_batch_size != recorded.trainer.per_device_train_batch_size
-    assert now.generation.sleep_level != recorded.generation.sleep_level
     r, resumed = plan_resume(tmp_path / "run", host=assumed_host(2, gib), cwd=tmp_path, **RESUME)
     assert r.choice_lines() == [] and r.world_size == 1
     assert {k: v for k, v in resumed.files.items() if k != "launch.json"} == {
@@ -275,13 +275,14 @@ def test_resume_of_a_run_dir_written_before_every_value_was_recorded(tmp_path):
     written = started.recipe.model_copy(
         update={"output": started.recipe.output.model_copy(update={"run_dir": str(run_dir)})}
     )
-    # sleep level, micro-batch, engine processes, MPS: resolved into the recipe; overlap, vLLM's share: not auto by
-    # default (only when asked)
+    # sleep level, micro-batch, overlap (with the engine process), engine processes, MPS: resolved into the recipe;
+    # vLLM's share: the recipe's
     assert set(auto_keys(written)) == set(AUTO_KEYS) - {
         "generation.vllm_gpu_memory_utilization",
         "generation.sleep_level",
         "trainer.micro_batch_size",
         "generation.overlap",
+        "generation.engine_process",
         "generation.engine_processes",
         "generation.mps",
     }

@@ -915,7 +915,7 @@ def test_a_trials_timing_is_the_median_of_the_steps_after_the_first_and_its_fore
 def test_a_trials_run_directory_holds_the_forecast_of_its_configuration(tmp_path):
     from colocate_rl.memory import forecast as fc
 
-    _, trial, plan = plan_shipped("smollm2-135m-gsm8k", H200, tmp_path)
+    _, trial, plan = plan_shipped("smollm2-135m-gsm8k", H200, tmp_path, "generation.overlap=off")
     record = json.loads(plan.files["forecast.json"])
     assert record["available"] and record["s_per_step"] == round(fc.forecast(trial).s_per_step, 4)
     assert record["max_steps"] == 3  # the trial's steps, not the recipe's

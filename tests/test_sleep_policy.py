@@ -29,7 +29,8 @@ AUTO = "generation.sleep_level=auto"
 
 
 def resolved(recipe: dict, gpus: int, gib: float, *sets: str):
-    return resolved_for(recipe, assumed_host(gpus, gib), *sets)
+    """The recipe on `gpus` GPUs of `gib`, the engine in the rank's process (overlap's engine process: test_overlap)."""
+    return resolved_for(recipe, assumed_host(gpus, gib), "generation.overlap=off", *sets)
 
 
 def plan_files(r, run_dir: Path) -> dict[str, str]:
@@ -158,7 +159,7 @@ def test_the_run_dir_files_hold_the_resolved_level(tmp_path):
 
 def test_resume_keeps_the_level_the_run_started_with(tmp_path):
     """Started on an H200 (auto → 0), resumed where auto would pick 2: the run keeps 0, and cannot be changed."""
-    from colocate_rl.pipeline import plan_resume
+    from colocate_rl.resume import plan_resume
     from colocate_rl.rundir import CHECKPOINT_COMPLETE, write_run_dir
 
     run_dir = tmp_path / "run"

@@ -173,7 +173,11 @@ def choice_lines(resolved) -> list[str]:
     layout, sleep = resolved.layout_choice, resolved.sleep_choice
     if resolved.backend != "vllm":
         return lines
-    first = int(resolved.share_choice is not None)  # the share's line comes before the layout's
+    from colocate_rl.plan.overlap import engine_in_process
+
+    # the engine processes' and the share's lines come before the layout's
+    first = int(resolved.share_choice is not None)
+    first += int(resolved.engine_processes_choice is not None and engine_in_process(resolved.recipe))
     if layout is not None and layout.limit_gib is not None:
         level = 2 if sleep is not None else resolved.recipe.generation.sleep_level
         lines[first] += f"; peaks with vLLM {'asleep' if level else 'awake'} while training (sleep level {level})"
@@ -267,8 +271,8 @@ def train(
                 raise UserError("--run-dir: a resumed run stays in its own directory; drop --run-dir")
             if not dry_run and not (resume / NODES_DIR).is_dir():  # one node: refused at once while the run is live
                 lock = owner.take(resume, create=False, command=_command())
-            from colocate_rl.pipeline import plan_resume
             from colocate_rl.plan.host import planning_host
+            from colocate_rl.resume import plan_resume
 
             resolved, plan = plan_resume(
                 resume,

@@ -1,5 +1,5 @@
-"""`python -m colocate_rl.launch.mps RUN_DIR LOG_DIR -- COMMAND ...`: run COMMAND (torchrun) as the client of a CUDA
-MPS daemon of its own (`generation.mps: on`), so that the processes sharing a GPU (the trainer and its engine
+"""`python -m colocate_rl.launch.mps [--or-without] RUN_DIR LOG_DIR -- COMMAND ...`: run COMMAND (torchrun) as the
+client of a CUDA MPS daemon of its own (`generation.mps: on`), so that the processes sharing a GPU (the trainer and its engine
 processes) run their kernels at once instead of taking time slices. `train` and `launch.sh` start torchrun so.
 
 The daemon (`nvidia-cuda-mps-control -f`, in a session of its own, ended with this process however it ends) gets a
@@ -7,7 +7,8 @@ fresh directory under the temp dir for its pipes (a socket path holds ~100 chara
 COMMAND finds it by CUDA_MPS_PIPE_DIRECTORY. Stop signals are passed on to COMMAND (ended, as the daemon is, if this
 process is killed); once COMMAND ends the daemon is asked to quit (killed if it does not) and this process exits with
 COMMAND's code, or ends by the signal that ended COMMAND. When the daemon does not start (its control pipe does not
-appear, or it exits): one line on stderr and in RUN_DIR's events, exit 2, COMMAND not run.
+appear, or it exits): one line on stderr and in RUN_DIR's events, exit 2, COMMAND not run; with --or-without (`mps:
+auto` chose it) a line on stderr and COMMAND runs without MPS.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from colocate_rl.plan.host import MPS_CONTROL as CONTROL
 START_S = 30.0  # for the control pipe to appear
 QUIT_S = 30.0  # for the daemon to end after `quit` (it waits for its clients)
 FIX = "set generation.mps: off"
+OR_WITHOUT = "--or-without"  # `mps: auto` chose the daemon: a daemon that does not start is run without
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -78,45 +80,56 @@ def stop_daemon(daemon: subprocess.Popen, env: dict[str, str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    or_without = args[:1] == [OR_WITHOUT]
+    args = args[or_without:]
     if len(args) < 4 or args[2] != "--":
-        print("usage: python -m colocate_rl.launch.mps RUN_DIR LOG_DIR -- COMMAND ...", file=sys.stderr)
+        print(f"usage: python -m colocate_rl.launch.mps [{OR_WITHOUT}] RUN_DIR LOG_DIR -- COMMAND ...", file=sys.stderr)
         return 2
     run_dir, log_dir, command = Path(args[0]), Path(args[1]), args[3:]
     log_dir.mkdir(parents=True, exist_ok=True)
     pipe = Path(tempfile.mkdtemp(prefix="colocate-rl-mps-"))
-    env = client_env(os.environ, pipe, log_dir)
+    env, daemon = client_env(os.environ, pipe, log_dir), None
     try:
         try:
             daemon = start_daemon(env, pipe, log_dir)
+            print(f"[colocate-rl] CUDA MPS daemon {daemon.pid} for this run: pipes {pipe}, logs {log_dir}", flush=True)
         except MpsError as e:
-            from colocate_rl.telemetry import events
+            if not or_without:
+                from colocate_rl.telemetry import events
 
-            events.emit(run_dir, events.USER_ERROR, lines=[str(e)])
-            print(f"colocate-rl: {e}", file=sys.stderr, flush=True)
-            return 2
-        print(f"[colocate-rl] CUDA MPS daemon {daemon.pid} for this run: pipes {pipe}, logs {log_dir}", flush=True)
-        from colocate_rl.launch.supervise import tie_to_this_process
-
-        child: subprocess.Popen | None = None
-
-        def forward(signum: int, _frame) -> None:
-            if child is not None:
-                child.send_signal(signum)
-
-        for s in FORWARDED:
-            signal.signal(s, forward)
-        try:
-            child = subprocess.Popen(command, env=env, preexec_fn=tie_to_this_process())  # ends if this one is killed
-            code = child.wait()
-        finally:
-            stop_daemon(daemon, env)
+                events.emit(run_dir, events.USER_ERROR, lines=[str(e)])
+                print(f"colocate-rl: {e}", file=sys.stderr, flush=True)
+                return 2
+            said = str(e).replace("generation.mps: on", "generation.mps auto", 1).removesuffix(f"; {FIX}")
+            print(f"colocate-rl: {said}; running without MPS", file=sys.stderr, flush=True)
+            env = dict(os.environ)  # auto's choice: the run goes on as it would have without the daemon
+        code = run_command(command, env)
     finally:
+        if daemon is not None:
+            stop_daemon(daemon, env)
         shutil.rmtree(pipe, ignore_errors=True)
     if code < 0:  # COMMAND was killed by a signal: so is this process, for whoever reads its status
         if -code in FORWARDED:
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return 128 - code if code < 0 else code
+
+
+def run_command(command: list[str], env: dict[str, str]) -> int:
+    """Run `command` (ended if this process is killed), passing stop signals on; its exit code (negative: killed by
+    that signal)."""
+    from colocate_rl.launch.supervise import tie_to_this_process
+
+    child: subprocess.Popen | None = None
+
+    def forward(signum: int, _frame) -> None:
+        if child is not None:
+            child.send_signal(signum)
+
+    for s in FORWARDED:
+        signal.signal(s, forward)
+    child = subprocess.Popen(command, env=env, preexec_fn=tie_to_this_process())
+    return child.wait()
 
 
 if __name__ == "__main__":

@@ -171,7 +171,8 @@ def make_plan(
     node_dir = rundir.node_dir_name(recipe.distributed.node_rank) if multi_node else None
     if recipe.generation.mps == "on":  # torchrun as the client of an MPS daemon of its own
         mps_logs = run_dir / (node_dir or "") / rundir.MPS_LOGS
-        argv = [python, "-m", MPS_MODULE, str(run_dir), str(mps_logs), "--", *argv]
+        or_without = ["--or-without"] * (resolved.mps_choice is not None)  # auto's daemon: without it if it fails
+        argv = [python, "-m", MPS_MODULE, *or_without, str(run_dir), str(mps_logs), "--", *argv]
     if multi_node:  # set even if the caller's environment has them: they describe this launch
         env[RECIPE_HASH_ENV] = recipe_hash
         env[NODE_RANK_ENV] = str(recipe.distributed.node_rank)

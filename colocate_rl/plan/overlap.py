@@ -91,26 +91,38 @@ def check_overlap(recipe: Recipe, backend: str) -> list[str]:
     return problems
 
 
+def overlap_ruled_out(recipe: Recipe, backend: str) -> str | None:
+    """Why `overlap: auto` leaves overlap off whatever the sleep level (one clause), or None."""
+    if backend != "vllm":
+        return f"generation with {backend}: overlap is for vLLM on GPUs (set one_step to force it)"
+    if blockers := overlap_blockers(recipe, backend):
+        return "; ".join(blockers)
+    if recipe.generation.engine_process is False:
+        return "generation.engine_process: false (overlap generates in an engine process of its own)"
+    if recipe.generation.enforce_eager:  # docs/benchmarks: the trainer's passes ran many times slower beside it
+        return "eager vLLM (generation.enforce_eager) beside the trainer slowed it down on an H200"
+    return None
+
+
 def choose_overlap(recipe: Recipe, backend: str, sleep_by_memory: bool) -> OverlapChoice:
     """`generation.overlap: auto` for `recipe` whose sleep level is decided (`sleep_by_memory`: by `sleep_level:
     auto`'s estimate): one_step when vLLM stays awake (level 0) and nothing rules overlap out, else off."""
-    blockers = overlap_blockers(recipe, backend)
-    if backend != "vllm":
-        return OverlapChoice(
-            False, f"generation with {backend}: overlap is for vLLM on GPUs (set one_step to force it)"
-        )
-    if blockers:
-        return OverlapChoice(False, "; ".join(blockers))
-    if recipe.generation.enforce_eager:  # docs/benchmarks: the trainer's passes ran many times slower beside it
-        return OverlapChoice(
-            False, "eager vLLM (generation.enforce_eager) beside the trainer slowed it down on an H200"
-        )
+    if why := overlap_ruled_out(recipe, backend):
+        return OverlapChoice(False, why)
     level = recipe.generation.sleep_level
     if level != 0:
         why = "trainer and vLLM do not fit awake together" if sleep_by_memory else "the recipe's generation.sleep_level"
         return OverlapChoice(False, f"vLLM sleeps while training (sleep level {level}: {why})")
     why = "trainer and vLLM fit awake together" if sleep_by_memory else "the recipe keeps vLLM awake"
     return OverlapChoice(True, f"{why} (sleep level 0) and nothing rules it out")
+
+
+def overlap_may_run(recipe: Recipe, backend: str) -> bool:
+    """Whether `overlap: auto` with the engine process auto can turn overlap on for `recipe` whose sleep level is
+    not yet decided: nothing rules it out and the level is 0 or auto."""
+    gen = recipe.generation
+    auto = gen.overlap == gen.engine_process == "auto"
+    return auto and gen.sleep_level in (0, "auto") and overlap_ruled_out(recipe, backend) is None
 
 
 def engine_in_process(recipe: Recipe) -> bool:
@@ -130,16 +142,9 @@ def choose_engine_processes(
 ) -> EngineProcessesChoice:
     """`generation.engine_processes: auto` for `recipe` bound to a host (`backend`; `params_b`: the model's
     parameters in billions, None when unknown; `cores`: the CPU cores a rank has): AUTO_ENGINE_PROCESSES where vLLM
-    generates in an engine process the recipe asks for, on a model of at most SMALL_MODEL_B, with vLLM's share auto
-    (`auto_share`: then sized for every copy); else 1. Decided before the share, and `overlap: auto` after it, so a
-    recipe leaving overlap to auto gets 1."""
-    gen = recipe.generation
-    if gen.engine_process == "auto" and gen.overlap == "auto":
-        return EngineProcessesChoice(
-            1,
-            "generation.overlap: auto is decided after vLLM's share, sized for one engine process (set "
-            "generation.overlap: one_step to let auto choose)",
-        )
+    generates in an engine process, on a model of at most SMALL_MODEL_B, with vLLM's share auto (`auto_share`: then
+    sized for every copy); else 1. Decided before the share (`overlap: auto` plans the engine process first:
+    `colocate_rl.pipeline.resolve`)."""
     if not engine_in_process(recipe):
         return EngineProcessesChoice(1, "the engine runs in the rank's process")
     if backend != "vllm":

@@ -95,10 +95,12 @@ class GenerationSection(BaseModel):
         "the run if vLLM is not generating from the trainer's current weights; engine colocate-rl.",
     )
     overlap: Literal["off", "one_step", "auto"] = Field(
-        "off",
+        "auto",
         description="one_step = generate the next step's prompts while this step trains, from weights one step old "
         "(TRL's importance-sampling correction on; engine in its own process, sleep level 0, single-turn); auto = "
-        "one_step where trainer and vLLM fit awake together (sleep level 0) and nothing rules it out.",
+        "one_step with vLLM where trainer and vLLM fit awake together (sleep level 0) and nothing rules it out "
+        "(tools, TRL's engine, eager vLLM, tensor parallelism, offload, several generations a batch); off = "
+        "generation and training take turns.",
     )
     mps: Literal["off", "on", "auto"] = Field(
         "auto",
