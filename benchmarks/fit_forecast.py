@@ -29,8 +29,9 @@ fit must not move the rows it fits. Left out, and why: TRL's engine (engine `*-t
 `trl_engine`, same-learning `engine: trl`) and TRL's server mode (layouts `server*`): another engine, which gets no
 forecast; the profiled invocations (generation `profiled`: the torch profiler ran, and the machine drifted, README
 "Speed"); runs sharing a GPU (real-model `matrix`, same-learning, tools) and eager vLLM (tools, mem-probe-results: no
-step times either); the LoRA timing row (LoRA is not modelled; its error is printed apart); overlapped runs (overlap
-is not modelled).
+step times either); the LoRA timing row (LoRA is not modelled; its error is printed apart). The overlapped runs of
+overlap-results fit the overlap factors apart (`OVERLAP_INVOCATIONS`; `forecast.OVERLAP_FITTED`), over the in-turn
+constants.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ OVERLAP_OFF = {"A2": SHARE_03, "C": SHARE_03, "D": SHARE_AUTO, "D2": SHARE_AUTO,
 # generation-results' rows with micro_batch_size auto: the micro-batch auto chose then (the benchmarks README), pinned
 # because the memory estimate has changed since
 MB_AUTO_RAN = {"c256+mbauto": 128, "a128+mbauto": 64}
-MACHINE_PATHS = ("model.name", "data.source")
-EARLIER_DEFAULTS = "generation.overlap=off"  # every row ran before overlap: auto became the default (a row may set it)  # the run's local copies: the recipe's hub names instead
+MACHINE_PATHS = ("model.name", "data.source")  # the run's local copies: the recipe's hub names instead
+EARLIER_DEFAULTS = "generation.overlap=off"  # every row ran before overlap: auto became the default (a row may set it)
 # Raw `mem-probe --json` output (docs/benchmarks/results/raw-*/): its timed trials that completed, each a row. The
 # probe ran the recipe with these `--set` options (the model a random-init copy of the hub model's shape, built by
 # bench_overlap.py; the data the local GSM8K-style file), then its own pinned sets, the trial's share and config.
@@ -169,7 +170,7 @@ class Row:
 
 
 def h200(gpus: int) -> Host:
-    return Host(gpus=(Gpu("NVIDIA H200", H200_GIB),) * gpus, has_vllm=True, cpu_count=16 * gpus)
+    return Host(gpus=(Gpu("NVIDIA H200", H200_GIB),) * gpus, has_vllm=True, cpu_count=16 * gpus, mps_control=True)
 
 
 def resolved_row(recipe: str, sets: list[str], gpus: int, model: str | None = None):
@@ -467,6 +468,7 @@ def analysis(mean_length: bool = False) -> dict:
     in_sample = errors(rows, lambda row: fitted)
     lora = [r for r in rows if r.lora]
     return dict(
+        overlap=overlap_analysis(fitted),
         rows=rows,
         fitted=fitted,
         in_sample=in_sample,
@@ -480,6 +482,91 @@ def analysis(mean_length: bool = False) -> dict:
             (r, 100 * (sum(fc.phase_seconds(r.shape, fitted).values()) - r.measured["s/step"]) / r.measured["s/step"])
             for r in lora
         ],
+    )
+
+
+# overlap-results' overlapped runs of the configurations colocate-rl plans (invocations H on: expandable segments on,
+# vLLM's engine core inside the engine process), pinned as they ran: ZeRO-2, sleep 0, c256 in one micro-batch of 256
+# (the plan then), d256 (the 1.7B shape) in 32 × 8; c256 with two engine processes in L's `overlap-2e` and M's
+# `overlap` (the default by then), the others one; O's `overlap-mps` under MPS. Not: `overlap-plain` (no DeepSpeed),
+# `overlap-mp` (vLLM's engine core apart), `overlap-nogroup`, `overlap-4e`, and I (d256 with checkpointing).
+OVERLAP_INVOCATIONS = ("H", "J", "L", "M", "N", "O")
+OVERLAP_ARMS = ("overlap", "overlap-2e", "overlap-mps")
+OVERLAP_PINNED = [
+    *PLANNED,
+    "eval.every_steps=null",
+    "trainer.gradient_accumulation_steps=8",
+    "generation.overlap=one_step",
+]
+
+
+@dataclass
+class OverlapRow:
+    key: str
+    shape: fc.Shape
+    measured: dict[str, float]  # training, rest, s/step as the rank timed them; generation: the engine's batch
+
+
+def overlap_rows() -> list[OverlapRow]:
+    rows = []
+    for x in _jsonl("overlap-results.jsonl"):
+        if x.get("invocation") not in OVERLAP_INVOCATIONS or x.get("arm") not in OVERLAP_ARMS:
+            continue
+        c256 = x["workload"] == "c256"
+        engines = 2 if x["arm"] == "overlap-2e" or (x["invocation"] == "M" and c256) else 1
+        sets = [*OVERLAP_PINNED, f"generation.engine_processes={engines}"]
+        sets += [f"generation.mps={'on' if x['arm'] == 'overlap-mps' else 'off'}"]
+        sets += [f"trainer.micro_batch_size={256 if c256 else 32}"]
+        r = resolved_row("smollm2-135m-gsm8k", sets, 1, None if c256 else SMOL17[0])
+        p = x["phases_s"]
+        training = p["train"] + p["optimizer"]
+        rest = x["s_per_step"] - training - p["generate"] - p["weight_sync"]
+        measured = {"training": training, "rest": rest, "generation": x["engine_generate_s"], "s/step": x["s_per_step"]}
+        rows.append(
+            OverlapRow(f"{x['invocation']} {x['arm']} {x['workload']} ({x['order']})", fc.shape_of(r), measured)
+        )
+    return rows
+
+
+def fit_overlap(rows: list[OverlapRow], fitted: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per regime, the factor on each in-turn phase that fits its rows (least squares of the relative error: f =
+    Σ(x/y) / Σ(x/y)²)."""
+    out: dict[str, dict[str, float]] = {}
+    for regime in dict.fromkeys(r.shape.overlap for r in rows):
+        mine = [r for r in rows if r.shape.overlap == regime]
+        factors = {}
+        for phase in ("training", "rest", "generation"):
+            q = [fc.phase_seconds(replace(r.shape, overlap=None), fitted)[phase] / r.measured[phase] for r in mine]
+            factors[phase] = sum(q) / sum(v * v for v in q)
+        out[regime] = factors
+    return out
+
+
+def overlap_errors(rows: list[OverlapRow], fitted: dict[str, float], factors_without) -> list[tuple[OverlapRow, float]]:
+    """(row, relative error of s/step in %) with the factors `factors_without(row)`."""
+    out = []
+    for row in rows:
+        got = sum(fc.phase_seconds(row.shape, fitted, factors_without(row)).values())
+        out.append((row, 100 * (got - row.measured["s/step"]) / row.measured["s/step"]))
+    return out
+
+
+def overlap_analysis(fitted: dict[str, float]) -> dict:
+    rows = overlap_rows()
+    factors = fit_overlap(rows, fitted)
+    loo = overlap_errors(rows, fitted, lambda row: fit_overlap([r for r in rows if r is not row], fitted))
+    shapes = [r.shape for r in rows]
+    return dict(
+        rows=rows,
+        fitted=factors,
+        in_sample=overlap_errors(rows, fitted, lambda row: factors),
+        loo=loo,
+        leave_one_out=summary({"s/step": loo}),
+        covered={
+            "params_b": (round(min(s.params_b for s in shapes), 3), round(max(s.params_b for s in shapes), 3)),
+            "completions": (min(s.completions for s in shapes), max(s.completions for s in shapes)),
+            "gpus": (min(s.gpus for s in shapes), max(s.gpus for s in shapes)),
+        },
     )
 
 
@@ -521,6 +608,16 @@ def main() -> None:
     print(
         f"with the mean completion length as L: leave one out {mean['leave_one_out']['s/step']}, leave one file out {mean['leave_one_file_out']['s/step']}"
     )
+    o = a["overlap"]
+    loo, fit_in = ({id(r): e for r, e in o[k]} for k in ("loo", "in_sample"))
+    print(f"\noverlapped rows{'':44}  s/step  forecast  fit %  LOO %")
+    for r in o["rows"]:
+        got = sum(fc.phase_seconds(r.shape, a["fitted"], o["fitted"]).values())
+        print(f"{r.key:58}  {r.measured['s/step']:6.3f}  {got:8.3f}  {fit_in[id(r)]:+5.1f}  {loo[id(r)]:+5.1f}")
+    print("OVERLAP_FITTED = {")
+    for regime, factors in o["fitted"].items():
+        print(f'    "{regime}": {{' + ", ".join(f'"{k}": {v:.4g}' for k, v in factors.items()) + "},")
+    print(f"}}\nOVERLAP_LEAVE_ONE_OUT = {o['leave_one_out']}\nOVERLAP_COVERED = {o['covered']}")
 
 
 if __name__ == "__main__":

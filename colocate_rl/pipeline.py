@@ -73,7 +73,10 @@ def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolve
                     return replace(one, engine_processes_choice=EngineProcessesChoice(1, fewer))
     off = _resolve(with_values(recipe, {"generation.overlap": "off"}), host, pre)
     if off.recipe.generation.sleep_level == 0:
-        why = "trainer and vLLM fit awake together only with vLLM in the rank's process (an engine process of its own takes a CUDA context and a staging buffer more)"
+        why = (
+            "trainer and vLLM fit awake together only with vLLM in the rank's process (an engine process of its own "
+            "takes a CUDA context and a staging buffer more)"
+        )
     return replace(off, overlap_choice=OverlapChoice(False, why))
 
 

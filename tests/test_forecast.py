@@ -18,7 +18,7 @@ from colocate_rl.telemetry import report as rep
 
 H200 = Host(gpus=(Gpu("NVIDIA H200", H200_GIB),), has_vllm=True, cpu_count=16)
 H200_ARGS = ("--gpus", "1", "--gpu-memory", "140")
-TURNS = ("generation.overlap=off",)  # generation and training in turn, as every row ran (overlap gets no forecast)
+TURNS = ("generation.overlap=off",)  # generation and training in turn, as the in-turn rows ran
 # Largest |fit − measured| / measured (%) over the rows, each phase and s/step, with every row in the fit
 IN_SAMPLE_LARGEST = {
     "s/step": 26,
@@ -132,7 +132,19 @@ def test_a_cpu_run_gets_no_forecast():
         ("gpu-0.5b-layout", H200, ("generation.enforce_eager=true",), "generation.enforce_eager"),
         ("gpu-7b-layout-1gpu", H200, (), "offload"),  # auto's layout offloads the optimizer
         ("smollm2-135m-calculator", H200, (), "tools"),
-        ("smollm2-135m-gsm8k", H200, ("generation.overlap=one_step",), "generation.overlap: one_step"),
+        (
+            "smollm2-135m-gsm8k",
+            H200,
+            ("generation.overlap=one_step", "generation.engine_processes=4"),
+            "overlap with 4 engine processes; the overlapped rows ran one engine process, 2 engine processes, one "
+            "engine process under MPS",
+        ),
+        (
+            "smollm2-135m-gsm8k",
+            H200,
+            ("generation.overlap=one_step", "generation.vllm_multiprocessing=true"),
+            "generation.vllm_multiprocessing",
+        ),
         ("smollm2-135m-gsm8k", H200, ("generation.engine_process=true", *TURNS), "generation.engine_process"),
         ("qwen2.5-72b-grpo-colocate", assumed_host(8, 140.0), (), "several nodes"),  # before any GPU check
         ("quickstart", CPU, ("distributed.nnodes=2", "distributed.rdzv_endpoint=node0:29500"), "several nodes"),
@@ -151,7 +163,51 @@ def test_a_forecast_names_what_is_beyond_the_rows():
         "GPUs 8 (rows: 1–2)",
     )
     assert fc.forecast_lines(f)[-1].startswith("forecast beyond the rows: parameters 7.62B")
-    assert not fc.forecast(resolved("smollm2-135m-gsm8k", H200)).beyond  # a measured configuration
+    assert not fc.forecast(resolved("smollm2-135m-gsm8k", H200, *TURNS)).beyond  # a measured configuration
+    overlapped = fc.forecast(resolved("smollm2-135m-gsm8k", H200))  # as shipped: 32 completions a step, overlapped
+    assert overlapped.beyond == ("overlapped, completions per rank 32 (rows: 256)",)
+
+
+def test_the_overlap_factors_are_the_fit_of_the_overlapped_rows(fit):
+    o = fit["overlap"]
+    assert o["fitted"].keys() == fc.OVERLAP_FITTED.keys()
+    for regime, factors in o["fitted"].items():
+        assert factors == pytest.approx(fc.OVERLAP_FITTED[regime], rel=1e-3), regime
+    assert o["leave_one_out"] == fc.OVERLAP_LEAVE_ONE_OUT and o["covered"] == fc.OVERLAP_COVERED
+    assert {r.shape.overlap for r in o["rows"]} == set(fc.OVERLAP_FITTED) and len(o["rows"]) == 15
+    assert all(abs(e) <= fc.OVERLAP_LEAVE_ONE_OUT["s/step"][1] + 0.05 for _, e in o["loo"])
+    # the rows resolve to what they ran: ZeRO-2 at sleep 0, c256 in one micro-batch, d256 in 8
+    assert {(round(r.shape.params_b, 3), r.shape.micro_batches, r.shape.layout, r.shape.sleep_level)
+            for r in o["rows"]} == {(0.135, 1, "zero", 0), (1.711, 8, "zero", 0)}  # fmt: skip
+
+
+def test_an_overlapped_step_is_the_ranks_work_beside_the_engine_and_the_wait_for_its_batch():
+    """Overlapped, training and the rest take their in-turn time × the regime's factor (beside the engine), and
+    generation is the wait for the batch generated ahead: the engine's time beside them less theirs, or none."""
+    r = resolved("smollm2-135m-gsm8k", H200, "trainer.gradient_accumulation_steps=8", "eval.every_steps=null")
+    assert r.recipe.generation.overlap == "one_step" and r.recipe.generation.engine_processes == 2  # the default
+    f = fc.forecast(r)
+    shape = fc.shape_of(r)
+    assert f.reason is None and f.overlap == shape.overlap == "2 engine processes"
+    turns, factors = fc.phase_seconds(replace(shape, overlap=None)), fc.OVERLAP_FITTED["2 engine processes"]
+    assert f.phases["training"] == pytest.approx(turns["training"] * factors["training"])
+    assert f.phases["rest"] == pytest.approx(turns["rest"] * factors["rest"])
+    wait = turns["generation"] * factors["generation"] - f.phases["training"] - f.phases["rest"]
+    assert f.phases["generation"] == pytest.approx(max(0.0, wait)) and f.phases["sleep/wake"] == 0
+    assert f.phases["weight push"] == turns["weight push"]
+    lines = fc.forecast_lines(f)
+    assert "forecast error on its 15 overlapped rows (2 engine processes), each left out" in lines[1]
+    assert json.loads(fc.forecast_json(f))["overlap"] == "2 engine processes"
+    assert not f.beyond  # a measured configuration: 256 completions on one H200
+    d256 = ("model.name=HuggingFaceTB/SmolLM2-1.7B-Instruct", "trainer.gradient_accumulation_steps=8",
+            "eval.every_steps=null", "distributed.deepspeed=zero3", "distributed.zero_stage=2",
+            "trainer.micro_batch_size=32", "generation.overlap=one_step")  # fmt: skip
+    host = replace(H200, mps_control=True)
+    under, beside = (
+        fc.forecast(resolved("smollm2-135m-gsm8k", host, *d256, f"generation.mps={m}")) for m in ("on", "off")
+    )
+    assert (under.overlap, beside.overlap) == ("one engine process under MPS", "one engine process")
+    assert under.phases["training"] < beside.phases["training"]  # measured: 3.4 against 4.7 s a step
 
 
 def test_the_forecast_is_the_sum_of_its_phases():

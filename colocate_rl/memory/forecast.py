@@ -24,6 +24,12 @@ in billions (those a token goes through for a mixture of experts), V = the vocab
                   TRL's preparation of the batch, the rewards and what no phase times (the step's time less the four
                   phases above)
 
+Overlapped (`generation.overlap: one_step`), the rank's work runs beside the engine generating the next batch: by the
+regime (one engine process, two, one under CUDA MPS), training and the rest take their in-turn time × a factor, and
+generation is the wait for the batch generated ahead: the in-turn generation × a factor (the engine's batch beside
+the rank's work) less the rank's training and rest, or none. `OVERLAP_FITTED` holds the factors that fit the
+overlapped rows (relative least squares per regime), `OVERLAP_LEAVE_ONE_OUT` that fit's errors.
+
 `FITTED` holds the constants least-squares fitted (relative error; training's by the side of the max each row is on)
 by `benchmarks/fit_forecast.py` to the rows it lists (H200, vLLM 0.26, TRL 1.16; colocate-rl's engine alone on the GPU
 with CUDA graphs), none below 0 (a term the fit would make negative is held at 0: generation's per B params is, as
@@ -31,8 +37,8 @@ a 256-sequence batch's decode took no longer at 1.5B than at 0.5B, so a model be
 generate too fast, and is named as beyond them), `LEAVE_ONE_OUT` the errors of that fit with each row left out in
 turn; `tests/test_forecast.py` checks that both are what the script computes. A recipe the rows say nothing about
 where a step spends its time differently (another GPU or the CPU, TRL's engine, eager vLLM, offload, tools, several
-nodes, tensor parallelism, overlap, the engine process) gets no forecast and the reason; what is beyond the rows'
-range but modelled (size, length, batch, GPUs, checkpointing) is forecast and named.
+nodes, tensor parallelism, an overlap regime no row ran, vLLM's engine core apart, the engine process alone) gets no
+forecast and the reason; what is beyond the rows but modelled (size, length, batch, GPUs, checkpointing) is named.
 """
 
 from __future__ import annotations
@@ -44,8 +50,18 @@ from typing import TYPE_CHECKING
 
 from colocate_rl import algorithms
 from colocate_rl.errors import UserError
+from colocate_rl.memory.forecast_fitted import (  # the fitted constants, here as forecast's own
+    COVERED,
+    FITTED,
+    LEAVE_ONE_OUT,
+    OVERLAP_COVERED,
+    OVERLAP_FITTED,
+    OVERLAP_LEAVE_ONE_OUT,
+    STARTUP_S,
+)
 from colocate_rl.memory.shapes import layout_for
 from colocate_rl.plan.deepspeed import ZeroLayout
+from colocate_rl.plan.overlap import engine_copies
 
 if TYPE_CHECKING:
     from colocate_rl.plan.host import Host
@@ -80,15 +96,23 @@ class Shape:
     vocab: int = 0  # the model's vocabulary (vLLM's sampler works over all of it for every sequence and token)
     kv_bytes: int = 0  # KV cache bytes per token, all layers (bf16): what attention reads per token of context
     old_forward: bool = False  # TRL's own no-grad forward for the old log-probabilities (RLOO; see the docstring)
+    overlap: str | None = None  # overlapped: its regime (`overlap_regime`, a key of OVERLAP_FITTED); None: in turn
 
     @property
     def layout(self) -> str:
         return "plain" if self.stage is None else "zero3" if self.stage == 3 else "zero"
 
 
+def overlap_regime(engine_processes: int, mps: bool) -> str:
+    """How an overlapped run shares the GPU, as OVERLAP_FITTED names it."""
+    engines = "one engine process" if engine_processes == 1 else f"{engine_processes} engine processes"
+    return engines + " under MPS" * mps
+
+
 def shape_of(resolved: Resolved) -> Shape:
     """The Shape of a GPU plan (UserError for a model whose layout is unknown)."""
-    t = resolved.recipe.trainer
+    t, g = resolved.recipe.trainer, resolved.recipe.generation
+    overlap = overlap_regime(engine_copies(resolved.recipe), g.mps == "on") if g.overlap == "one_step" else None
     lay = layout_for(resolved.recipe.model.name, config=resolved.preflight.model_config)
     return Shape(
         params_b=lay.active_params / 1e9,
@@ -102,6 +126,7 @@ def shape_of(resolved: Resolved) -> Shape:
         vocab=lay.vocab,
         kv_bytes=2 * lay.layers * lay.kv_heads * lay.hd * 2,
         old_forward=algorithms.get(resolved.recipe.algorithm).trainer == "rloo",
+        overlap=overlap,
     )
 
 
@@ -159,57 +184,25 @@ FLOOR = (
     "micro-batch, DeepSpeed, per B params",
 )
 COMPUTE = ("per B params and token trained", "per token trained")
-# Fitted by benchmarks/fit_forecast.py (seconds; its docstring lists the rows: 49 of docs/benchmarks/results/
-# {engine,layouts,generation,seam-ab,real-model,overlap}-results.jsonl, the mem-probe output and train runs of raw-*/)
-FITTED = {
-    "decode step": 0.002757,
-    "decode step, per sequence": 7.684e-06,
-    "decode step, per sequence and B params": 0.0,  # held at 0 (fitted below it): see the docstring
-    "decode step, per sequence and 100k vocabulary": 1.262e-05,
-    "decode step, per sequence and MB of KV read": 6.29e-07,
-    "micro-batch, no DeepSpeed": 0.109,
-    "micro-batch, ZeRO-0/1/2": 0.2631,
-    "micro-batch, ZeRO-3": 0.8149,
-    "micro-batch, DeepSpeed, per B params": 0.05193,
-    "per B params and token trained": 1.585e-05,  # completion tokens; at 6 FLOPs per parameter: 379 TFLOP/s
-    "per token trained": 6.121e-06,
-    "DeepSpeed optimizer step": 0.06903,
-    "push": 0.02485,
-    "push, per B params woken from sleep": 0.04134,
-    "push, per B params gathered (ZeRO-3)": 0.03057,
-    "wake and sleep": 0.1101,
-    "rest": 0.03671,
-    "rest, per completion": 0.0001009,
-    "rest, per micro-batch with DeepSpeed": 0.004605,
-    "rest, per micro-batch under ZeRO-3": 0.3676,
-    "rest, TRL's old-logprob forward per completion": 0.001961,
-}
-# |forecast − measured| / measured in %, each row left out of the fit in turn: (median, largest, rows)
-LEAVE_ONE_OUT = {
-    "s/step": (7.2, 44.7, 48),
-    "generation": (9.1, 64.4, 48),
-    "training": (12.1, 69.3, 43),
-    "weight push": (18.5, 65.5, 48),
-    "sleep/wake": (29.8, 76.2, 20),
-    "rest": (42.6, 113.8, 42),
-}
-# Start-up: a run's time from `colocate-rl train` to its exit less steps × s/step (launch, vLLM start and CUDA graphs,
-# the first step's warm-up, the end): median, smallest, largest of the 12 rows that recorded their wall time
-STARTUP_S = (92.0, 76.4, 150.8)
-# What the fitted rows span: a recipe beyond it is forecast with a note
-COVERED = {
-    "params_b": (0.135, 1.711),
-    "tokens": (256, 256),
-    "completions": (8, 256),
-    "micro_batches": (1, 8),
-    "gpus": (1, 2),
-    "sleep_levels": (0, 2),
-}
 
 
-def phase_seconds(shape: Shape, fitted: dict[str, float] | None = None) -> dict[str, float]:
-    """Seconds per step of each phase for `shape`, with `fitted` constants (default FITTED)."""
-    fitted = FITTED if fitted is None else fitted
+def phase_seconds(
+    shape: Shape, fitted: dict[str, float] | None = None, overlap_fitted: dict[str, dict[str, float]] | None = None
+) -> dict[str, float]:
+    """Seconds per step of each phase for `shape`, with `fitted` constants (default FITTED) and, overlapped, the
+    factors of its regime in `overlap_fitted` (default OVERLAP_FITTED): training and the rest beside the engine,
+    and generation the wait for the batch generated ahead (none when the rank's work takes longer)."""
+    turns = _in_turn(shape, FITTED if fitted is None else fitted)
+    if shape.overlap is None:
+        return turns
+    f = (OVERLAP_FITTED if overlap_fitted is None else overlap_fitted)[shape.overlap]
+    training, rest = turns["training"] * f["training"], turns["rest"] * f["rest"]
+    ahead = turns["generation"] * f["generation"]  # the engine's batch, generated beside the rank's work
+    return {**turns, "generation": max(0.0, ahead - training - rest), "training": training, "rest": rest}
+
+
+def _in_turn(shape: Shape, fitted: dict[str, float]) -> dict[str, float]:
+    """Seconds per step of each phase with generation and training in turn."""
     out = {}
     for phase in PHASES:
         parts = {name: fitted[name] * float(x(shape)) for name, x in TERMS[phase]}
@@ -251,6 +244,8 @@ def refusal(resolved: Resolved) -> str | None:
     if resolved.backend != "vllm":
         return "generation with transformers; the step-time model is fitted to H200 GPU runs with vLLM"
     problem, _ = _gpu_problem(resolved.host)
+    overlapped = g.overlap == "one_step"
+    regime = overlap_regime(engine_copies(r), g.mps == "on") if overlapped else ""
     reasons = [
         (problem is not None, problem),
         (g.engine != "colocate-rl", "generation.engine: trl; the rows ran colocate-rl's engine"),
@@ -261,8 +256,15 @@ def refusal(resolved: Resolved) -> str | None:
         ),
         (r.tools.active, "tools (multi-turn episodes); no row used tools alone on a GPU"),
         (g.tensor_parallel_size > 1, "generation.tensor_parallel_size > 1; the rows ran 1"),
-        (g.overlap == "one_step", "generation.overlap: one_step; the rows generated and trained in turn"),
-        (g.engine_process is True, "generation.engine_process; the rows generated in the rank's own process"),
+        (
+            overlapped and regime not in OVERLAP_FITTED,
+            f"overlap with {regime}; the overlapped rows ran {', '.join(OVERLAP_FITTED)}",
+        ),
+        (g.vllm_multiprocessing, "generation.vllm_multiprocessing; no fitted row ran vLLM's engine core apart"),
+        (
+            g.engine_process is True and not overlapped,
+            "generation.engine_process without overlap; the rows generated in the rank's own process",
+        ),
         (bool(fixed), f"trainer.extra_args.{fixed[0] if fixed else ''}; the rows generate once per step"),
     ]
     return next((why for bad, why in reasons if bad), None)
@@ -294,6 +296,11 @@ def beyond_rows(resolved: Resolved, shape: Shape) -> list[str]:
     notes += ["LoRA (not modelled; the one LoRA row took 1.22× its full fine-tuning row)"] * (r.model.lora is not None)
     notes += ["beta > 0 (the reference model's forward is not modelled)"] * (r.trainer.beta > 0)
     notes += ["reward models (their forward is not modelled)"] * any(x.model for x in r.rewards)
+    if shape.overlap is not None:
+        o = OVERLAP_COVERED
+        notes += _beyond(shape.params_b, o["params_b"], "overlapped, parameters", "B")
+        notes += _beyond(shape.completions, o["completions"], "overlapped, completions per rank")
+        notes += _beyond(shape.gpus, o["gpus"], "overlapped, GPUs")
     return notes
 
 
@@ -307,6 +314,12 @@ class Forecast:
     beyond: tuple[str, ...] = ()  # what the rows do not span
     evaluation: bool = False  # the recipe evaluates: not in the forecast
     reason: str | None = None
+    overlap: str | None = None  # overlapped: its regime (the errors are then OVERLAP_LEAVE_ONE_OUT's)
+
+    @property
+    def errors(self) -> dict[str, tuple[float, float, int]]:
+        """The leave-one-out errors of the rows this forecast's model was fitted to."""
+        return LEAVE_ONE_OUT if self.overlap is None else OVERLAP_LEAVE_ONE_OUT
 
     @property
     def s_per_step(self) -> float:
@@ -333,6 +346,7 @@ def forecast(resolved: Resolved) -> Forecast:
         gpu=_gpu_problem(resolved.host)[1],
         beyond=tuple(beyond_rows(resolved, shape)),
         evaluation=resolved.recipe.eval.every_steps is not None,
+        overlap=shape.overlap,
     )
 
 
@@ -353,9 +367,10 @@ def forecast_lines(f: Forecast) -> list[str]:
         f"forecast ({f.gpu}): {f.s_per_step:.2f} s/step = {parts}; {f.max_steps} steps {duration(steps)} + start-up "
         f"{duration(start)} = {duration(f.total_s)}" + (" (held-out evaluation not included)" if f.evaluation else ""),
     ]
-    median, largest, rows = LEAVE_ONE_OUT["s/step"]
+    median, largest, rows = f.errors["s/step"]
+    which = f"overlapped rows ({f.overlap})" if f.overlap else "measured rows"
     lines.append(
-        f"forecast error on its {rows} measured rows, each left out of the fit in turn: s/step median {median:.1f} %, "
+        f"forecast error on its {rows} {which}, each left out of the fit in turn: s/step median {median:.1f} %, "
         f"largest {largest:.0f} %; start-up {low:.0f}–{high:.0f} s ({DOC})"
     )
     if f.beyond:
@@ -378,7 +393,8 @@ def forecast_json(f: Forecast) -> str:
         "total_s": round(f.total_s, 1),
         "evaluation_included": False,
         "beyond_rows": list(f.beyond),
-        "leave_one_out_pct": {k: {"median": m, "largest": x, "rows": n} for k, (m, x, n) in LEAVE_ONE_OUT.items()},
+        "overlap": f.overlap,
+        "leave_one_out_pct": {k: {"median": m, "largest": x, "rows": n} for k, (m, x, n) in f.errors.items()},
         "model": "colocate_rl.memory.forecast, fitted by benchmarks/fit_forecast.py to docs/benchmarks/results",
     }
     return json.dumps(record, indent=2, ensure_ascii=False) + "\n"
