@@ -45,6 +45,22 @@ def test_the_command_runs_as_the_client_of_a_daemon_of_its_own_that_quits_after_
     assert killed.returncode == -signal.SIGKILL  # as torchrun's own status: the launcher reads how it ended
 
 
+def test_two_runs_at_once_each_run_under_a_daemon_of_their_own(tmp_path, fake_mps):
+    """Two runs on one machine (each GPU its own run, or two runs sharing one): each wrapper starts its own daemon
+    in its own pipe directory, its command is that daemon's client only, and each quits its own."""
+    show = "import os, time; print('pipe', os.environ['CUDA_MPS_PIPE_DIRECTORY'], flush=True); time.sleep(1)"
+    runs = [tmp_path / name for name in ("a", "b")]
+    for base in runs:
+        (base / "run").mkdir(parents=True)
+    procs = [wrapped(base, fake_mps, sys.executable, "-c", show) for base in runs]
+    outs = [proc.communicate(timeout=60)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0]
+    daemons = [json.loads((base / "run" / "mps" / "fake.json").read_text()) for base in runs]
+    assert daemons[0]["pipe"] != daemons[1]["pipe"] and daemons[0]["pid"] != daemons[1]["pid"]
+    assert all(f"pipe {d['pipe']}" in out for d, out in zip(daemons, outs))
+    assert all((base / "run" / "mps" / "quit").exists() for base in runs)
+
+
 def test_a_stop_signal_reaches_the_command_and_the_daemon_still_quits(tmp_path, fake_mps):
     (tmp_path / "run").mkdir()
     wait = (
