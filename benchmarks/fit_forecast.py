@@ -110,7 +110,9 @@ OVERLAP_OFF = {"A2": SHARE_03, "C": SHARE_03, "D": SHARE_AUTO, "D2": SHARE_AUTO,
 # because the memory estimate has changed since
 MB_AUTO_RAN = {"c256+mbauto": 128, "a128+mbauto": 64}
 MACHINE_PATHS = ("model.name", "data.source")  # the run's local copies: the recipe's hub names instead
-EARLIER_DEFAULTS = "generation.overlap=off"  # every row ran before overlap: auto became the default (a row may set it)
+# Every row ran before `overlap: auto` became the default (25636d8); a row's own command may set it. A row measured
+# since runs overlapped unless its command says otherwise: add it to the overlapped rows (`overlap_rows`), not here.
+EARLIER_DEFAULTS = "generation.overlap=off"
 # Raw `mem-probe --json` output (docs/benchmarks/results/raw-*/): its timed trials that completed, each a row. The
 # probe ran the recipe with these `--set` options (the model a random-init copy of the hub model's shape, built by
 # bench_overlap.py; the data the local GSM8K-style file), then its own pinned sets, the trial's share and config.

@@ -1,6 +1,7 @@
 """`python -m colocate_rl.launch.mps [--or-without] RUN_DIR LOG_DIR -- COMMAND ...`: run COMMAND (torchrun) as the
-client of a CUDA MPS daemon of its own (`generation.mps: on`), so that the processes sharing a GPU (the trainer and its engine
-processes) run their kernels at once instead of taking time slices. `train` and `launch.sh` start torchrun so.
+client of a CUDA MPS daemon of its own (`generation.mps: on`), so that the processes sharing a GPU (the trainer and
+its engine processes) run their kernels at once instead of taking time slices. `train` and `launch.sh` start
+torchrun so.
 
 The daemon (`nvidia-cuda-mps-control -f`, in a session of its own, ended with this process however it ends) gets a
 fresh directory under the temp dir for its pipes (a socket path holds ~100 characters) and LOG_DIR for its logs;
