@@ -23,7 +23,8 @@
 #   gen     standalone vLLM on c256's batches: with logprobs (as the run), without, and without plus a prefill
 #           rescoring of prompt + completion for the sampled tokens' logprobs, the two logprobs compared
 #   d2e     the 1.7B shape with two engine processes (auto keeps one there)
-#   gputest the GPU tests of overlap under colocate-rl's own MPS daemon and of overlap on the real model
+#   gputest the GPU tests of overlap under colocate-rl's own MPS daemon, of overlap on the real model, and of the
+#           default plan (overlap auto)
 # vmstat throughout.
 set -u
 cd "$(dirname "$0")/.."
@@ -55,7 +56,8 @@ for st in $STAGES; do
     d2e) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 --order overlap-2e \
            > $R/d2e.log 2>&1 ;;
     gputest) REAL_MODEL_DIR=$M REAL_DATA_DIR=$(dirname "$D") GPU_FIGURES=$R OVERLAP_ORDER=one_step,off \
-               python -m pytest -m gpu -s -q tests/test_gpu.py -k "own_mps_daemon or overlap_on_the_real_model" \
+               python -m pytest -m gpu -s -q tests/test_gpu.py \
+               -k "own_mps_daemon or overlap_on_the_real_model or default_plan_overlaps" \
                > $R/gputest.log 2>&1 ;;
     *) echo "unknown stage $st" >> $R/progress ;;
   esac
