@@ -21,6 +21,11 @@ ENGINE_CORES = 4  # CPU cores a rank needs for two engine loops beside the train
 MPS_MODEL_B = 1.7
 
 
+def parameters(params_b: float) -> str:
+    """`params_b` billion parameters as a phrase: "1.71B parameters", "0.29M parameters" for a tiny model."""
+    return f"{params_b:.2f}B parameters" if params_b >= 0.01 else f"{params_b * 1e3:.2f}M parameters"
+
+
 def overlap_blockers(recipe: Recipe, backend: str) -> list[str]:
     """Why one-step overlap cannot run `recipe` (each names the key), [] when it can. The sleep level is not among
     them: `sleep_level: auto` resolves to 0 under overlap; an explicit 1 or 2 is `check_overlap`'s."""
@@ -156,7 +161,7 @@ def choose_engine_processes(
             "generation.engine_processes: 2 to split it)",
         )
     if params_b is None or params_b > SMALL_MODEL_B:
-        size = "of unknown size" if params_b is None else f"of {params_b:.2f}B parameters"
+        size = "of unknown size" if params_b is None else f"of {parameters(params_b)}"
         return EngineProcessesChoice(
             1, f"a model {size}: more engine processes were measured faster only up to {SMALL_MODEL_B}B"
         )
@@ -164,7 +169,7 @@ def choose_engine_processes(
         return EngineProcessesChoice(1, f"{cores} CPU cores a rank (two engine loops need {ENGINE_CORES})")
     return EngineProcessesChoice(
         AUTO_ENGINE_PROCESSES,
-        f"a model of {params_b:.2f}B parameters: vLLM's per-token loop on one CPU core is what its generation waits "
+        f"a model of {parameters(params_b)}: vLLM's per-token loop on one CPU core is what its generation waits "
         f"for, so {AUTO_ENGINE_PROCESSES} loops each generate part of every batch ({cores} CPU cores a rank)",
     )
 
@@ -204,10 +209,10 @@ def choose_mps(recipe: Recipe, backend: str, params_b: float | None, host: Host)
     if not host.mps_control:
         return MpsChoice(False, f"{MPS_CONTROL} is not on PATH")
     if params_b is None or params_b < MPS_MODEL_B:
-        size = "of unknown size" if params_b is None else f"of {params_b:.2f}B parameters"
+        size = "of unknown size" if params_b is None else f"of {parameters(params_b)}"
         return MpsChoice(False, f"a model {size}: overlap was measured faster under MPS from {MPS_MODEL_B}B")
     return MpsChoice(
         True,
-        f"a model of {params_b:.2f}B parameters: the trainer's and the engine processes' kernels run on the GPU at "
+        f"a model of {parameters(params_b)}: the trainer's and the engine processes' kernels run on the GPU at "
         "once instead of by time slices",
     )
