@@ -173,17 +173,12 @@ def choice_lines(resolved) -> list[str]:
     layout, sleep = resolved.layout_choice, resolved.sleep_choice
     if resolved.backend != "vllm":
         return lines
-    from colocate_rl.plan.overlap import engine_in_process
-
-    # the engine processes' and the share's lines come before the layout's
-    first = int(resolved.share_choice is not None)
-    first += int(resolved.engine_processes_choice is not None and engine_in_process(resolved.recipe))
     if layout is not None and layout.limit_gib is not None:
         level = 2 if sleep is not None else resolved.recipe.generation.sleep_level
-        lines[first] += f"; peaks with vLLM {'asleep' if level else 'awake'} while training (sleep level {level})"
+        at = lines.index(layout.lines()[0])
+        lines[at] += f"; peaks with vLLM {'asleep' if level else 'awake'} while training (sleep level {level})"
     if sleep is not None and sleep.peak_gib is not None:
-        at = first + (len(layout.lines()) if layout is not None else 0)
-        lines[at] += "; peak with vLLM awake while training"
+        lines[lines.index(sleep.line())] += "; peak with vLLM awake while training"
     return lines
 
 

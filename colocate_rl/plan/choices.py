@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from colocate_rl.plan.deepspeed import AUTO_BASE_CONFIG, ZeroLayout
 
@@ -196,31 +196,35 @@ class SleepChoice:
 
 
 @dataclass(frozen=True)
-class OverlapChoice:
+class SwitchChoice:
+    """What an on/off `generation.<KEY>: auto` chose (ON_VALUE when `on`, else off) and why."""
+
+    KEY: ClassVar[str]
+    ON_VALUE: ClassVar[str] = "on"
+    on: bool
+    reason: str
+
+    @property
+    def value(self) -> str:
+        return self.ON_VALUE if self.on else "off"
+
+    def line(self) -> str:
+        return f"generation.{self.KEY} auto: {self.value} — {self.reason}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {self.KEY: self.value, "reason": self.reason}
+
+
+class OverlapChoice(SwitchChoice):
     """What `generation.overlap: auto` chose (one_step when `on`) and why."""
 
-    on: bool
-    reason: str
-
-    def line(self) -> str:
-        return f"generation.overlap auto: {'one_step' if self.on else 'off'} — {self.reason}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"overlap": "one_step" if self.on else "off", "reason": self.reason}
+    KEY, ON_VALUE = "overlap", "one_step"
 
 
-@dataclass(frozen=True)
-class MpsChoice:
+class MpsChoice(SwitchChoice):
     """What `generation.mps: auto` chose and why."""
 
-    on: bool
-    reason: str
-
-    def line(self) -> str:
-        return f"generation.mps auto: {'on' if self.on else 'off'} — {self.reason}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"mps": "on" if self.on else "off", "reason": self.reason}
+    KEY = "mps"
 
 
 @dataclass(frozen=True)
