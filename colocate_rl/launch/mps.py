@@ -121,15 +121,24 @@ def run_command(command: list[str], env: dict[str, str]) -> int:
     that signal)."""
     from colocate_rl.launch.supervise import tie_to_this_process
 
-    child: subprocess.Popen | None = None
+    tie, child = tie_to_this_process(), None
 
     def forward(signum: int, _frame) -> None:
         if child is not None:
             child.send_signal(signum)
 
+    def in_child() -> None:
+        if tie is not None:
+            tie()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+
     for s in FORWARDED:
         signal.signal(s, forward)
-    child = subprocess.Popen(command, env=env, preexec_fn=tie_to_this_process())
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # a stop signal before `child` is set waits for it
+    try:
+        child = subprocess.Popen(command, env=env, preexec_fn=in_child)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     return child.wait()
 
 
