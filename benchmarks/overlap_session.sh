@@ -8,7 +8,8 @@
 # the machine can be taken back at any time. STAGES="c256 gen" runs only those; M (the SmolLM2-135M-Instruct
 # directory) defaults to where the real-model unpack puts it, D (the GSM8K-style jsonl) to data/ here (copy
 # ../shared/real-model/data there); results go to R (/tmp/res), run directories to RUNS (/tmp/runs);
-# EXTRA=--dry-run makes the drivers print their commands and run nothing.
+# D256_ORDER and GPUTEST_K change d256's order and gputest's -k; EXTRA=--dry-run makes the drivers print their
+# commands and run nothing.
 # Stages:
 #   learn   held-out learning (arith, 100 steps) with overlap (two engine processes, auto's count), seeds 1 and 3 at
 #           once (--concurrent): N ran seeds 0-3 with and without overlap, and overlap's seeds 1 and 3 ran out of GPU
@@ -44,7 +45,7 @@ for st in $STAGES; do
     learn) $B --out $RUNS/learn --workload arith --steps 100 --order overlap --seeds 1,3 --concurrent \
              > $R/learn.log 2>&1 ;;
     d256) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 \
-            --order overlap-mps,trl-mb32,overlap,overlap-mps,trl-mb32,overlap \
+            --order "${D256_ORDER:-overlap-mps,trl-mb32,overlap,overlap-mps,trl-mb32,overlap}" \
             > $R/d256.log 2>&1 ;;
     c256) $B --data "$D" --out $RUNS/c256 --workload c256 --steps 12 --timeout 400 \
             --order "${C256_ORDER:-overlap,trl,overlap,trl}" > $R/c256.log 2>&1 ;;
@@ -57,7 +58,7 @@ for st in $STAGES; do
            > $R/d2e.log 2>&1 ;;
     gputest) REAL_MODEL_DIR=$M REAL_DATA_DIR=$(dirname "$D") GPU_FIGURES=$R OVERLAP_ORDER=one_step,off \
                python -m pytest -m gpu -s -q tests/test_gpu.py \
-               -k "own_mps_daemon or overlap_on_the_real_model or default_plan_overlaps" \
+               -k "${GPUTEST_K:-own_mps_daemon or overlap_on_the_real_model or default_plan_overlaps}" \
                > $R/gputest.log 2>&1 ;;
     *) echo "unknown stage $st" >> $R/progress ;;
   esac
