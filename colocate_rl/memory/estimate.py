@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from colocate_rl.errors import UserError
 from colocate_rl.memory.allowance import training_allowance
 from colocate_rl.memory.reward_models import reward_model_bytes, reward_model_notes
-from colocate_rl.memory.shapes import Layout, layout_for, lora_params
+from colocate_rl.memory.shapes import Layout, layout_for, lora_params, lora_saved_per_token_layer
 from colocate_rl.plan.deepspeed import ZeroLayout
 from colocate_rl.plan.overlap import engine_copies, engine_in_process
 from colocate_rl.recipe.values import parse_size
@@ -245,12 +245,12 @@ def _trainer_terms(s: _TrainerState, stage: int | None, off_gen: bool) -> Terms:
 def _activations(resolved: Resolved, lay: Layout, kv: dict[str, Any], grads: float) -> Terms:
     """Training's activations of one micro-batch and the allowance beside them (`grads`: the trainer gradients'
     bytes on this GPU)."""
-    t, h = resolved.recipe.trainer, lay.hidden
+    t, h, lora = resolved.recipe.trainer, lay.hidden, resolved.recipe.model.lora
     seq = kv["prompt_tokens"] + kv["completion_tokens"]
-    # Activations of one micro-batch (`Layout.saved_per_token_layer`). Gradient checkpointing keeps layer inputs and
-    # recomputes one layer at a time.
+    # Activations of one micro-batch (`Layout.saved_per_token_layer`, + LoRA's). Gradient checkpointing keeps layer
+    # inputs and recomputes one layer at a time.
     a = 2 if resolved.precision in ("bf16", "fp16") else 4
-    layer = lay.saved_per_token_layer(a)
+    layer = lay.saved_per_token_layer(a) + a / 2 * lora_saved_per_token_layer(lay, lora, not resolved.deepspeed)
     tokens = t.per_device_train_batch_size * seq
     act = tokens * (lay.layers * a * h + layer if resolved.gradient_checkpointing else lay.layers * layer)
     allowance = training_allowance(act, grads, lay.vocab, ZeroLayout.of(resolved.deepspeed).stage is not None)
