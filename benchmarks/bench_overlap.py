@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Overlap (issue 28), side by side in one invocation on one GPU: colocate-rl with `generation.overlap: one_step`,
 colocate-rl without (`off`; `process`: without, the engine in its own process, for its generation speed alone;
-`overlap-mps`: with, `generation.mps: on` (every other colocate-rl arm sets it off, as measured before it existed);
+`overlap-mps`: with, `generation.mps: on`, `overlap-2e-mps` the same with two engine processes (every other
+colocate-rl arm sets it off, as measured before it existed);
 `overlap-mp`: with, vLLM's engine core in a process of its own beside the engine process; `overlap-plain`: with,
 the trainer without DeepSpeed, fp32 weights under bf16 autocast; `overlap-omp1`: with, every process of the run at
 one torch CPU thread, as vLLM sets its own multiprocess workers against CPU contention; `process` and `overlap`
@@ -48,7 +49,8 @@ sys.path.insert(0, str(ROOT))
 
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
 # process: no overlap, the engine in its own process; overlap-mps: overlap under colocate-rl's CUDA MPS daemon
-ARMS = ("overlap", "off", "process", "trl", "trl-lean", "trl-mb32", "overlap-mps", "overlap-mp", "overlap-plain", "overlap-omp1",
+ARMS = ("overlap", "off", "process", "trl", "trl-lean", "trl-mb32", "overlap-mps", "overlap-2e-mps", "overlap-mp",
+        "overlap-plain", "overlap-omp1",
         "process-1e", "process-2e", "process-4e", "overlap-1e", "overlap-2e", "overlap-4e", "overlap-nogroup")  # fmt: skip
 ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry says why)
     "process": ["generation.engine_process=true"],
@@ -59,6 +61,7 @@ ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry s
     "process-4e": ["generation.engine_process=true", "generation.engine_processes=4"],
     "overlap-1e": ["generation.engine_processes=1"],
     "overlap-2e": ["generation.engine_processes=2"],
+    "overlap-2e-mps": ["generation.engine_processes=2"],
     "overlap-4e": ["generation.engine_processes=4"],
     "overlap-nogroup": ["trainer.length_grouping=false"],
 }
@@ -132,7 +135,7 @@ def command(
         f"trainer.max_steps={steps}",
         f"trainer.seed={seed}",
         f"generation.overlap={'one_step' if arm.startswith('overlap') else 'off'}",
-        f"generation.mps={'on' if arm == 'overlap-mps' else 'off'}",
+        f"generation.mps={'on' if arm.endswith('-mps') else 'off'}",
         *ARM_SETS.get(arm, []),
         *sets,
     ]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 28's open measurements on one H200, in order of need, in the background (one device session is ~30 min, so
 # the first stages matter most; c256 and c4e ran in invocation M, learn's seeds 0 and 2 and d256 in N, d256 with MPS
-# in O, 2026-12-05). From a copy of the repository on the GPU machine with the GPU stack installed and
+# in O, d256 under `generation.mps` and gputest (its default-plan test failed on its own output check, since fixed) in
+# P, 2026-12-05). From a copy of the repository on the GPU machine with the GPU stack installed and
 # the real model unpacked (../shared/device/stage.sh and ../shared/real-model/build.sh say how):
 #   (setsid nohup bash benchmarks/overlap_session.sh > /tmp/go.log 2>&1 &)
 # then poll /tmp/res/progress (one line per stage and one JSON row per run) and copy /tmp/res back at every poll:
@@ -23,7 +24,9 @@
 #           slower than two, the trainer beside them the limit)
 #   gen     standalone vLLM on c256's batches: with logprobs (as the run), without, and without plus a prefill
 #           rescoring of prompt + completion for the sampled tokens' logprobs, the two logprobs compared
-#   d2e     the 1.7B shape with two engine processes (auto keeps one there)
+#   d2e     the 1.7B shape with two engine processes under MPS (auto keeps one there; in P generation was the step
+#           under MPS: the engine's 4.8-5.0 s a batch beside 3.4 s of training, 1.997x TRL pooled), A-B-C-A-B-C with
+#           TRL and one engine process under MPS (D2E_ORDER changes it)
 #   gputest the GPU tests of overlap under colocate-rl's own MPS daemon, of overlap on the real model, and of the
 #           default plan (overlap auto)
 # vmstat throughout.
@@ -35,7 +38,7 @@ RUNS=${RUNS:-/tmp/runs}
 mkdir -p $R
 M=${M:-/tmp/real-model/smollm2-135m-instruct}
 D=${D:-$PWD/data/gsm_symbolic_train.jsonl}
-STAGES=${STAGES:-d256 gputest learn c256 gen d2e}
+STAGES=${STAGES:-d2e gputest d256 learn c256 gen}
 stage() { echo "== $1 $(date +%T)" >> $R/progress; }
 [ -n "${EXTRA:-}" ] || (setsid nohup vmstat -t 1 > $R/vmstat.txt 2>&1 &)
 B="python benchmarks/bench_overlap.py ${EXTRA:-} --model $M --set output.save_model=false"
@@ -54,7 +57,8 @@ for st in $STAGES; do
     gen) python benchmarks/bench_generation.py ${EXTRA:-} --out $RUNS/gen --devices 0 --timeout 480 --workloads c256 \
            --model "$M" --data "$D" --stages colocated,same --variants trl,lean,rescore > $R/gen.log 2>&1
          cp $RUNS/gen/standalone/*.json $RUNS/gen/*.md $R/ 2>/dev/null ;;
-    d2e) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 --order overlap-2e \
+    d2e) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 \
+           --order "${D2E_ORDER:-overlap-2e-mps,trl-mb32,overlap-mps,overlap-2e-mps,trl-mb32,overlap-mps}" \
            > $R/d2e.log 2>&1 ;;
     gputest) REAL_MODEL_DIR=$M REAL_DATA_DIR=$(dirname "$D") GPU_FIGURES=$R OVERLAP_ORDER=one_step,off \
                python -m pytest -m gpu -s -q tests/test_gpu.py \

@@ -4,6 +4,7 @@ run directory a real CPU run writes in tests/test_overlap.py (the engine process
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, import_benchmark
@@ -218,8 +219,11 @@ def test_the_device_session_script_gives_each_stage_a_command_the_drivers_accept
         for line in lines:
             argv = shlex.split(line.split("] ", 1)[1])
             if "colocate_rl" in argv:  # a colocate-rl arm (TRL's runs are benchmarks/trl_grpo.py)
-                arms[(stage, argv[argv.index("--run-dir") + 1].rsplit("-", 1)[-1])] = recipe_of(argv)
-    assert arms[("c4e", "4e")].generation.engine_processes == 4
-    assert arms[("d2e", "2e")].generation.engine_processes == 2
+                run = Path(argv[argv.index("--run-dir") + 1]).name  # <workload>-<order>-<arm>
+                arms[(stage, run.split("-", 2)[-1])] = recipe_of(argv)
+    assert arms[("c4e", "overlap-4e")].generation.engine_processes == 4
+    two, one = arms[("d2e", "overlap-2e-mps")], arms[("d2e", "overlap-mps")]
+    assert (two.generation.engine_processes, two.generation.mps) == (2, "on")
+    assert (one.generation.engine_processes, one.generation.mps) == ("auto", "on")
     gen = (res / "gen.log").read_text()
     assert "--variants trl,lean,rescore" in gen and "usage:" not in gen
