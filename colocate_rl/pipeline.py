@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from colocate_rl.errors import UserError
 from colocate_rl.plan.choices import EngineProcessesChoice, OverlapChoice
@@ -36,9 +36,6 @@ from colocate_rl.recipe.paths import resolve_override_paths, resolve_paths
 from colocate_rl.recipe.schema import Recipe
 from colocate_rl.recipe.shipped import find_recipe
 from colocate_rl.rundir import default_run_dir
-
-if TYPE_CHECKING:
-    pass
 
 
 def resolve(recipe: Recipe, host: Host, pre: Preflight | None = None) -> Resolved:

@@ -66,6 +66,7 @@ from colocate_rl.plan.overlap import engine_copies
 if TYPE_CHECKING:
     from colocate_rl.plan.host import Host
     from colocate_rl.plan.resolved import Resolved
+    from colocate_rl.recipe.schema import Recipe
 
 PHASES = ("generation", "training", "weight push", "sleep/wake", "rest")
 # The timed phases (metrics.jsonl time/<name>_s) each forecast phase sums; "rest" is the step less all of them.
@@ -103,16 +104,16 @@ class Shape:
         return "plain" if self.stage is None else "zero3" if self.stage == 3 else "zero"
 
 
-def overlap_regime(engine_processes: int, mps: bool) -> str:
-    """How an overlapped run shares the GPU, as OVERLAP_FITTED names it."""
-    engines = "one engine process" if engine_processes == 1 else f"{engine_processes} engine processes"
-    return engines + " under MPS" * mps
+def overlap_regime(recipe: Recipe) -> str | None:
+    """How an overlapped run of `recipe` shares the GPU, as OVERLAP_FITTED names it; None when it runs in turn."""
+    g, n = recipe.generation, engine_copies(recipe)
+    engines = "one engine process" if n == 1 else f"{n} engine processes"
+    return engines + " under MPS" * (g.mps == "on") if g.overlap == "one_step" else None
 
 
 def shape_of(resolved: Resolved) -> Shape:
     """The Shape of a GPU plan (UserError for a model whose layout is unknown)."""
-    t, g = resolved.recipe.trainer, resolved.recipe.generation
-    overlap = overlap_regime(engine_copies(resolved.recipe), g.mps == "on") if g.overlap == "one_step" else None
+    t = resolved.recipe.trainer
     lay = layout_for(resolved.recipe.model.name, config=resolved.preflight.model_config)
     return Shape(
         params_b=lay.active_params / 1e9,
@@ -126,7 +127,7 @@ def shape_of(resolved: Resolved) -> Shape:
         vocab=lay.vocab,
         kv_bytes=2 * lay.layers * lay.kv_heads * lay.hd * 2,
         old_forward=algorithms.get(resolved.recipe.algorithm).trainer == "rloo",
-        overlap=overlap,
+        overlap=overlap_regime(resolved.recipe),
     )
 
 
@@ -244,8 +245,7 @@ def refusal(resolved: Resolved) -> str | None:
     if resolved.backend != "vllm":
         return "generation with transformers; the step-time model is fitted to H200 GPU runs with vLLM"
     problem, _ = _gpu_problem(resolved.host)
-    overlapped = g.overlap == "one_step"
-    regime = overlap_regime(engine_copies(r), g.mps == "on") if overlapped else ""
+    regime = overlap_regime(r)
     reasons = [
         (problem is not None, problem),
         (g.engine != "colocate-rl", "generation.engine: trl; the rows ran colocate-rl's engine"),
@@ -257,12 +257,12 @@ def refusal(resolved: Resolved) -> str | None:
         (r.tools.active, "tools (multi-turn episodes); no row used tools alone on a GPU"),
         (g.tensor_parallel_size > 1, "generation.tensor_parallel_size > 1; the rows ran 1"),
         (
-            overlapped and regime not in OVERLAP_FITTED,
+            regime is not None and regime not in OVERLAP_FITTED,
             f"overlap with {regime}; the overlapped rows ran {', '.join(OVERLAP_FITTED)}",
         ),
         (g.vllm_multiprocessing, "generation.vllm_multiprocessing; no fitted row ran vLLM's engine core apart"),
         (
-            g.engine_process is True and not overlapped,
+            g.engine_process is True and regime is None,
             "generation.engine_process without overlap; the rows generated in the rank's own process",
         ),
         (bool(fixed), f"trainer.extra_args.{fixed[0] if fixed else ''}; the rows generate once per step"),
