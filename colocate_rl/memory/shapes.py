@@ -232,8 +232,12 @@ LINEAR_SHAPES = {
 def lora_params(lay: Layout, r: int, target_modules: list[str] | str) -> int:
     """Trainable parameters of LoRA adapters of rank `r` on `target_modules` (all-linear: every layer's linear
     layers; names this layout does not have count nothing)."""
-    names = LINEAR_SHAPES if target_modules == "all-linear" else [n for n in target_modules if n in LINEAR_SHAPES]
-    return lay.layers * sum(r * sum(LINEAR_SHAPES[n](lay)) for n in names)
+    return lay.layers * sum(r * sum(LINEAR_SHAPES[n](lay)) for n in _adapted(target_modules))
+
+
+def _adapted(target_modules: list[str] | str) -> list[str]:
+    """The LINEAR_SHAPES names LoRA's `target_modules` adapts (names this layout does not have: none)."""
+    return list(LINEAR_SHAPES) if target_modules == "all-linear" else [n for n in target_modules if n in LINEAR_SHAPES]
 
 
 def lora_saved_per_token_layer(lay: Layout, lora: LoraSection | None, fp32_adapters: bool) -> float:
@@ -245,7 +249,5 @@ def lora_saved_per_token_layer(lay: Layout, lora: LoraSection | None, fp32_adapt
     targets (tests/test_estimate.py)."""
     if lora is None:
         return 0.0
-    targets = lora.target_modules
-    names = LINEAR_SHAPES if targets == "all-linear" else [n for n in targets if n in LINEAR_SHAPES]
     per_feature = 2.0 if lora.dropout > 0 else 0.6 if fp32_adapters else 0.0
-    return per_feature * sum(LINEAR_SHAPES[n](lay)[0] for n in names)
+    return per_feature * sum(LINEAR_SHAPES[n](lay)[0] for n in _adapted(lora.target_modules))
