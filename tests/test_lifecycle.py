@@ -311,6 +311,28 @@ time.sleep(120)  # as a rank waiting for a lock: no output, so no broken pipe wo
 
 
 @pytest.mark.slow
+def test_a_rank_leaves_before_the_interpreters_teardown_after_every_atexit_handler():
+    """A finished rank ends after the atexit handlers (report_to backends register theirs during the run) and before
+    exit()'s C destructors, where torch's and DeepSpeed's abort now and then on a loaded CPU ("terminate called
+    without an active exception": exit code 1 after every step, seen in a mem-probe trial). A C handler that aborts
+    stands in for those destructors; the usage error (exit code 2) is the quickest way through the entry point."""
+    code = """if True:
+        import atexit, ctypes, runpy, sys
+        libc = ctypes.CDLL(None)
+        libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)
+        sys.argv = ["colocate_rl.worker"]
+        try:
+            runpy.run_module("colocate_rl.worker", run_name="__main__", alter_sys=True)
+        except SystemExit:
+            atexit.register(print, "a library's handler ran")
+            raise
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == "a library's handler ran\n" and result.stderr.startswith("usage: python -m colocate_rl")
+
+
+@pytest.mark.slow
 def test_a_killed_launcher_takes_torchrun_and_its_ranks_with_it(tmp_path):
     (tmp_path / "supervisor.py").write_text(SUPERVISOR)
     (tmp_path / "rank.py").write_text(SILENT_RANK)
