@@ -936,8 +936,8 @@ def test_the_default_plan_overlaps_the_real_model_with_two_engine_processes_and_
     """recipes/smollm2-135m-gsm8k.yaml at 256 completions per step with overlap, the engine process and their count
     left to auto (the defaults), fully fine-tuned and with LoRA (merged into each push): the plan overlaps with two
     engine processes (a 135M model), every step after the first is generated ahead (and checked), and the run's
-    forecast.json holds the overlapped forecast. Prints forecast against measured (the overlapped rows' leave-one-out
-    error: 10.9 % median, 49 % largest; LoRA is not modelled)."""
+    forecast.json holds the overlapped forecast (on an H200: its rows were measured there). Prints forecast against
+    measured (the overlapped rows' leave-one-out error: 10.9 % median, 49 % largest; LoRA is not modelled)."""
     import yaml
 
     run = tmp_path / "run"
@@ -947,15 +947,19 @@ def test_the_default_plan_overlaps_the_real_model_with_two_engine_processes_and_
     assert (recorded["overlap"], recorded["engine_process"], recorded["engine_processes"]) == ("one_step", True, 2)
     assert "overlap one_step (auto)" in result.stdout and log.count("vLLM awake") == 2  # train's summary table
     forecast = json.loads((run / "forecast.json").read_text())
-    assert forecast["available"] and forecast["overlap"] == "2 engine processes"
     measured = statistics.median(r["time/step_s"] for r in rows[2:])
     figures = {
         "s_per_step_median": round(measured, 4),
-        "forecast_s_per_step": forecast["s_per_step"],
-        "forecast_error_pct": round(100 * (forecast["s_per_step"] - measured) / measured, 1),
         "engine_generate_s": [round(r["engine_process/generate_s"], 3) for r in rows],
         "gpu_peak_gib_max": max(r["mem/gpu_peak_gib"] for r in rows),
     }
+    if forecast["available"]:
+        assert forecast["overlap"] == "2 engine processes"
+        figures["forecast_s_per_step"] = forecast["s_per_step"]
+        figures["forecast_error_pct"] = round(100 * (forecast["s_per_step"] - measured) / measured, 1)
+    else:  # a GPU other than the H200s its rows were measured on (an H100 gave this): forecast.json says so instead
+        reason = r"this machine's GPUs are (?!.*H200).+ and the rows were measured on H200s"
+        assert re.fullmatch(reason, forecast["reason"]), forecast
     print(json.dumps(figures))
     name = f"default_overlap{'_lora' * lora}.json"
     (Path(os.environ.get("GPU_FIGURES", tmp_path)) / name).write_text(json.dumps(figures))
