@@ -22,11 +22,6 @@ from colocate_rl.recipe.shipped import find_recipe
 from colocate_rl.rundir import step_records
 
 ROOT = Path(__file__).resolve().parent.parent
-# Python's default, which users have: cached bytecode. Where PYTHONDONTWRITEBYTECODE is set (this project's CI machines
-# set it), every process the tests start (the CLI, torchrun, each rank and engine process) compiled colocate_rl's
-# modules again: ~0.7 s of a quickstart launch's 8 s, measured on 2 cores.
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-sys.dont_write_bytecode = False
 H200_GIB = 143_771 / 1024  # GiB, as NVML (and torch) report an H200: 143,771 MiB
 
 CPU = Host(gpus=(), has_vllm=False, cpu_count=2)  # a CPU-only machine: 2 CPU ranks, transformers generation
