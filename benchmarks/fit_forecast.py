@@ -490,11 +490,11 @@ def analysis(mean_length: bool = False) -> dict:
 # overlap-results' overlapped runs of the configurations colocate-rl plans (invocations H on: expandable segments on,
 # vLLM's engine core inside the engine process), pinned as they ran: ZeRO-2, sleep 0, c256 in one micro-batch of 256
 # (the plan then), d256 (the 1.7B shape) in 32 × 8; c256 with two engine processes in L's `overlap-2e` and M's
-# `overlap` (the default by then), the others one; `overlap-mps` under MPS (O: the driver's daemon; P:
-# `generation.mps`). Not: `overlap-plain` (no DeepSpeed), `overlap-mp` (vLLM's engine core apart), `overlap-nogroup`,
+# `overlap` (the default by then), the others one; `overlap-mps` under MPS (O: the driver's daemon; P, R:
+# `generation.mps`), `overlap-2e-mps` two engine processes under it (R). Not: `overlap-plain` (no DeepSpeed), `overlap-mp` (vLLM's engine core apart), `overlap-nogroup`,
 # `overlap-4e`, and I (d256 with checkpointing).
-OVERLAP_INVOCATIONS = ("H", "J", "L", "M", "N", "O", "P")
-OVERLAP_ARMS = ("overlap", "overlap-2e", "overlap-mps")
+OVERLAP_INVOCATIONS = ("H", "J", "L", "M", "N", "O", "P", "R")
+OVERLAP_ARMS = ("overlap", "overlap-2e", "overlap-mps", "overlap-2e-mps")
 OVERLAP_PINNED = [
     *PLANNED,
     "eval.every_steps=null",
@@ -516,9 +516,9 @@ def overlap_rows() -> list[OverlapRow]:
         if x.get("invocation") not in OVERLAP_INVOCATIONS or x.get("arm") not in OVERLAP_ARMS:
             continue
         c256 = x["workload"] == "c256"
-        engines = 2 if x["arm"] == "overlap-2e" or (x["invocation"] == "M" and c256) else 1
+        engines = 2 if x["arm"].startswith("overlap-2e") or (x["invocation"] == "M" and c256) else 1
         sets = [*OVERLAP_PINNED, f"generation.engine_processes={engines}"]
-        sets += [f"generation.mps={'on' if x['arm'] == 'overlap-mps' else 'off'}"]
+        sets += [f"generation.mps={'on' if x['arm'].endswith('-mps') else 'off'}"]
         sets += [f"trainer.micro_batch_size={256 if c256 else 32}"]
         r = resolved_row("smollm2-135m-gsm8k", sets, 1, None if c256 else SMOL17[0])
         p = x["phases_s"]

@@ -2,7 +2,7 @@
 # Issue 28's open measurements on one H200, in order of need, in the background (one device session is ~30 min, so
 # the first stages matter most; c256 and c4e ran in invocation M, learn's seeds 0 and 2 and d256 in N, d256 with MPS
 # in O, d256 under `generation.mps` and gputest (its default-plan test failed on its own output check, since fixed) in
-# P, 2026-12-05). From a copy of the repository on the GPU machine with the GPU stack installed and
+# P, d2e in R, 2026-12-05). From a copy of the repository on the GPU machine with the GPU stack installed and
 # the real model unpacked (../shared/device/stage.sh and ../shared/real-model/build.sh say how):
 #   (setsid nohup bash benchmarks/overlap_session.sh > /tmp/go.log 2>&1 &)
 # then poll /tmp/res/progress (one line per stage and one JSON row per run) and copy /tmp/res back at every poll:
@@ -24,9 +24,9 @@
 #           slower than two, the trainer beside them the limit)
 #   gen     standalone vLLM on c256's batches: with logprobs (as the run), without, and without plus a prefill
 #           rescoring of prompt + completion for the sampled tokens' logprobs, the two logprobs compared
-#   d2e     the 1.7B shape with two engine processes under MPS (auto keeps one there; in P generation was the step
-#           under MPS: the engine's 4.8-5.0 s a batch beside 3.4 s of training, 1.997x TRL pooled), A-B-C-A-B-C with
-#           TRL and one engine process under MPS (D2E_ORDER changes it)
+#   d2e     the 1.7B shape with two engine processes under MPS against TRL and one engine process under MPS,
+#           A-B-C-A-B-C (D2E_ORDER changes it). In R two were no faster (4.90 / 4.92 s/step against one's 4.81 / 4.69:
+#           each engine's half batch took as long as one engine's whole), so auto keeps one there
 #   gputest the GPU tests of overlap under colocate-rl's own MPS daemon, of overlap on the real model, and of the
 #           default plan (overlap auto)
 # vmstat throughout.
@@ -38,7 +38,7 @@ RUNS=${RUNS:-/tmp/runs}
 mkdir -p $R
 M=${M:-/tmp/real-model/smollm2-135m-instruct}
 D=${D:-$PWD/data/gsm_symbolic_train.jsonl}
-STAGES=${STAGES:-d2e gputest d256 learn c256 gen}
+STAGES=${STAGES:-gputest d256 learn c256 gen}
 stage() { echo "== $1 $(date +%T)" >> $R/progress; }
 [ -n "${EXTRA:-}" ] || (setsid nohup vmstat -t 1 > $R/vmstat.txt 2>&1 &)
 B="python benchmarks/bench_overlap.py ${EXTRA:-} --model $M --set output.save_model=false"
