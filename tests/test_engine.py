@@ -419,7 +419,9 @@ ZERO3_SCRIPT = textwrap.dedent("""
     from colocate_rl.rank import vllm_engine as E
     from colocate_rl.rank.adapter.trl import gather_params
     import transformers.models.qwen2.modeling_qwen2  # imported before zero.Init patches torch's constructors
+    from colocate_rl.rank.adapter.deepspeed import skip_shm_comm_build
 
+    skip_shm_comm_build()  # as the ranks do on CPU: DeepSpeed's shared-memory op is not compiled (~25 s the first time)
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = {{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": 3,
            "stage3_param_persistence_threshold": 0}}, "zero_allow_untested_optimizer": True}}
