@@ -30,6 +30,13 @@ GPU8 = Host(gpus=(Gpu("H200", 140.0),) * 8, has_vllm=True, cpu_count=128)  # one
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # a CLI subprocess sees no GPU, whatever this machine has
 
 
+def pytest_configure(config):
+    """Before the tests' modules are imported: rich fixes a console's width when it is made if COLUMNS is set
+    (pytest-xdist's workers set 80), and the CLI's consoles are made at import; without it here, each command's
+    environment (COLUMNS=200, below) sets the width."""
+    os.environ.pop("COLUMNS", None)
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without Slurm or launcher variables (a test run inside a Slurm job must not plan
     a multi-node run), 200 columns for rich's tables, plus `extra`."""
@@ -204,27 +211,6 @@ def start(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subpr
         stderr=subprocess.STDOUT,
         text=True,
     )
-
-
-@pytest.fixture(scope="session")
-def quickstart_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, Path]:
-    """The CPU quickstart as shipped (recipes/quickstart.yaml: ZeRO-3, 2 ranks, 40 steps) through the real CLI and
-    torchrun, once per session: (run dir, the `train` process's result, its empty-at-start TORCH_EXTENSIONS_DIR).
-    tests/test_e2e.py makes every check of the full run on it; tests/test_micro_batch.py takes its first 2 steps as
-    the whole-batch side of its comparison (a 2-step run gives the same 2 steps: step 1's update uses the same first
-    learning rate; measured equal to the last digit). A ZeRO-3 start is ~12 s on 2 cores: one start for both."""
-    base = tmp_path_factory.mktemp("quickstart")
-    run_dir, extensions = base / "quickstart", base / "torch_extensions"
-    extensions.mkdir()
-    result = subprocess.run(
-        [sys.executable, "-m", "colocate_rl", "train", "recipes/quickstart.yaml", "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=clean_env(**NO_GPU, TORCH_EXTENSIONS_DIR=str(extensions)),
-    )
-    return run_dir, result, extensions
 
 
 def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_here
+from conftest import NO_GPU, clean_env, cli, cli_here
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -30,10 +30,32 @@ def rewards(run_dir: Path) -> list[float]:
     return [r["reward"] for r in records if "reward" in r]
 
 
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, Path]:
+    """The CPU quickstart as shipped (recipes/quickstart.yaml: ZeRO-3, 2 ranks, 40 steps) through the real CLI and
+    torchrun, once: (run dir, the `train` process's result, its empty-at-start TORCH_EXTENSIONS_DIR). One test
+    makes every check of the full run on it; another takes its first 2 steps as the whole-batch side of a
+    micro-batch comparison (a 2-step run gives the same 2 steps: step 1's update uses the same first learning rate;
+    measured equal to the last digit). A ZeRO-3 start is ~12 s on 2 cores: one start for both, in this module so
+    that both run on one pytest worker."""
+    base = tmp_path_factory.mktemp("quickstart")
+    run_dir, extensions = base / "quickstart", base / "torch_extensions"
+    extensions.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "colocate_rl", "train", "recipes/quickstart.yaml", "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=clean_env(**NO_GPU, TORCH_EXTENSIONS_DIR=str(extensions)),
+    )
+    return run_dir, result, extensions
+
+
 def test_quickstart_zero3_two_ranks_learns(quickstart_run):
     """The CPU quickstart as shipped (ZeRO-3, 2 ranks, 40 steps): it learns, logs and reports, and compiles no
     DeepSpeed op (its shared-memory op serves only inference all-reduces; building it was most of a first run's
-    start). The run is conftest's `quickstart_run` (tests/test_micro_batch.py compares against its first steps)."""
+    start). The run is `quickstart_run` (the micro-batch test below compares against its first steps)."""
     run_dir, result, extensions = quickstart_run
     assert result.returncode == 0, result.stdout[-3000:] + (run_dir / "train.log").read_text()[-5000:]
     assert "ZeRO-3" in result.stdout and list(extensions.iterdir()) == []  # no DeepSpeed op was compiled
@@ -82,6 +104,33 @@ def test_quickstart_zero3_two_ranks_learns(quickstart_run):
     assert result.stdout.splitlines()[-1] == f"next: colocate-rl report {run_dir}"
     # launch.sh replays the same launch by hand
     assert (run_dir / "launch.sh").read_text().splitlines()[-1].startswith("exec ")
+
+
+def test_the_same_step_in_smaller_micro_batches_gives_the_same_gradient(tmp_path, quickstart_run):
+    """Real torchrun, real TRL (2 CPU ranks, the quickstart recipe, 2 steps): micro-batches of 2 × 4 instead of 8 × 1
+    per rank generate the same completions (same seeds) and, with TRL's default loss (dapo: normalized by the step's
+    tokens), give the same gradient norm. The 8 × 1 side is the first 2 steps of the shipped quickstart's run
+    (`quickstart_run`): a run cut at 2 steps gives those same 2 steps, its learning rate differing only after step
+    2's update. (`trainer.micro_batch_size` itself: tests/test_micro_batch.py.)"""
+    from colocate_rl.rundir import step_records
+
+    quickstart, ran, _ = quickstart_run
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    run_dir = tmp_path / "split"
+    args = ["train", "quickstart", "--run-dir", run_dir, "--set", "trainer.max_steps=2"]
+    result = cli(*args, "--set", "trainer.micro_batch_size=2", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    whole, split = step_records(quickstart)[:2], step_records(run_dir)
+    assert json.loads((run_dir / "launch.json").read_text())["trl_args"]["gradient_accumulation_steps"] == 4
+    assert json.loads((quickstart / "launch.json").read_text())["trl_args"]["gradient_accumulation_steps"] == 1
+    assert [r["step"] for r in whole] == [1, 2]
+    assert [r["reward"] for r in split] == [r["reward"] for r in whole]
+    assert any(r["grad_norm"] > 0 for r in whole)
+    for a, b in zip(whole, split, strict=True):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=1e-9)
+    # trainer.length_grouping ran on both (here one prompt a rank, completions mostly of full length: little to cut;
+    # tests/test_micro_batches.py has steps where it cuts)
+    assert all(0 < r["micro_batches/tokens_vs_trl"] <= 1 for r in split + whole)
 
 
 def test_quickstart_tools_learns_to_call_the_calculator(tmp_path):

@@ -156,16 +156,17 @@ def test_a_hold_does_not_wait_for_the_generation_in_flight(serving):
 
 @pytest.mark.slow  # starts the engine process
 def test_stop_reads_an_answer_too_big_for_the_pipe_that_nobody_waits_for(serving, capsys):
-    """The generation an overlapped run takes ahead for a step that never runs: its answer (here ~530 KB, more than
-    the pipe's socket buffer; a vLLM batch with logprobs is bigger still) must not keep the engine process from
-    exiting (it did: 30 s per overlapped run on the H200, and 30.1 s here before the fix). (It stops the shared
-    engine process: the last test here to take `serving`.)"""
+    """The generation an overlapped run takes ahead for a step that never runs: its answer (here 438 KB pickled, twice
+    the pipe's 208 KiB socket buffer; a vLLM batch with logprobs is bigger still) must not keep the engine process
+    from exiting (it did: the stop waited out STOP_S and terminated it, 30 s per overlapped run on the H200 and
+    here). It now exits by itself once the generation is done (5.6 s for it on 2 idle cores; twice the tokens took
+    27 s beside the other pytest worker). (It stops the shared engine process: the last test to take `serving`.)"""
     eng, _ = serving
     assert eng.process.is_alive()
-    eng.submit([[1, 2, 3]] * 4096, Sampling(max_tokens=200, temperature=1.0))  # never collected
+    eng.submit([[1, 2, 3]] * 4096, Sampling(max_tokens=100, temperature=1.0))  # never collected
     eng.stop()
     line = [x for x in capsys.readouterr().out.splitlines() if "engine process stopped in" in x]
-    assert line and float(line[0].split(" in ")[1].split()[0]) < 20, line  # measured 5.9 s: the generation's time
+    assert line and float(line[0].split(" in ")[1].split()[0]) < P.STOP_S, line  # not "terminated in 30.x s"
 
 
 @pytest.mark.slow  # starts the engine process (one for the three failures, in this order: ~4 s a start)
@@ -348,8 +349,9 @@ def test_vllms_worker_loads_and_checks_the_staged_weights_as_collective_rpc_hand
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU pinning is Linux's")
 def test_the_usage_counts_the_times_another_thread_took_the_cpu(tmp_path):
-    """What `engine_process/preempted` tells: a busy loop alone on a CPU is rarely switched out; beside a second
-    busy process pinned to the same CPU, the OS time-slices them and the count rises."""
+    """What `engine_process/preempted` tells: a busy loop beside a second busy process pinned to the same CPU is
+    switched out far more often than without it, and gets a smaller share of the CPU. Measured against the same loop
+    without the rival, up to three times: other processes (the other pytest worker) may share the CPU too."""
     import multiprocessing
     import resource
 
@@ -361,23 +363,32 @@ def test_the_usage_counts_the_times_another_thread_took_the_cpu(tmp_path):
             pass
         return usage_since(before, started)
 
+    def share(usage: dict) -> float:
+        return usage["cpu_s"] / usage["generate_s"]
+
     cpu = min(os.sched_getaffinity(0))
     saved = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpu})
+    tries = []
     try:
-        alone = busy(0.3)
-        rival = multiprocessing.get_context("fork").Process(target=_spin_on, args=(cpu, 3.0))
-        rival.start()
-        try:
-            time.sleep(0.2)  # the rival is spinning
-            shared = busy(0.6)
-        finally:
-            rival.kill()
-            rival.join()
+        for _ in range(3):
+            alone = busy(0.3)
+            rival = multiprocessing.get_context("fork").Process(target=_spin_on, args=(cpu, 3.0))
+            rival.start()
+            try:
+                time.sleep(0.2)  # the rival is spinning
+                shared = busy(0.6)
+            finally:
+                rival.kill()
+                rival.join()
+            tries.append((alone, shared))
+            # on an idle CPU: ~0 against 30-150 switches, all of the CPU against about half of it
+            if shared["preempted"] >= alone["preempted"] + 10 and share(shared) < 0.8 * share(alone):
+                break
+        else:
+            raise AssertionError(tries)
     finally:
         os.sched_setaffinity(0, saved)
-    assert shared["preempted"] >= 10 > alone["preempted"], (alone, shared)
-    assert shared["cpu_s"] < 0.8 * shared["generate_s"]  # about half of the CPU's time was the rival's
 
 
 def _spin_on(cpu: int, seconds: float) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CPU, H200_GIB, QWEN05, ROOT, cli, import_benchmark, write_recipe
+from conftest import CPU, H200_GIB, QWEN05, ROOT, import_benchmark, write_recipe
 from conftest import resolved as resolved_for
 from typer.testing import CliRunner
 
@@ -231,34 +231,6 @@ def test_the_measuring_probe_pins_the_size():
     r = resolved(H200_GIB, AUTO)
     plan = P.plan_probe(r, H200_GIB, Path("/nonexistent/probe"))
     assert plan.pinned["trainer.micro_batch_size"] == 64
-
-
-@pytest.mark.slow
-def test_the_same_step_in_smaller_micro_batches_gives_the_same_gradient(tmp_path, quickstart_run):
-    """Real torchrun, real TRL (2 CPU ranks, the quickstart recipe, 2 steps): micro-batches of 2 × 4 instead of 8 × 1
-    per rank generate the same completions (same seeds) and, with TRL's default loss (dapo: normalized by the step's
-    tokens), give the same gradient norm. The 8 × 1 side is the first 2 steps of the shipped quickstart's run
-    (conftest's `quickstart_run`, shared with tests/test_e2e.py): a run cut at 2 steps gives those same 2 steps, its
-    learning rate differing only after step 2's update."""
-    from colocate_rl.rundir import step_records
-
-    quickstart, ran, _ = quickstart_run
-    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-    run_dir = tmp_path / "split"
-    args = ["train", "quickstart", "--run-dir", run_dir, "--set", "trainer.max_steps=2"]
-    result = cli(*args, "--set", "trainer.micro_batch_size=2", timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    whole, split = step_records(quickstart)[:2], step_records(run_dir)
-    assert json.loads((run_dir / "launch.json").read_text())["trl_args"]["gradient_accumulation_steps"] == 4
-    assert json.loads((quickstart / "launch.json").read_text())["trl_args"]["gradient_accumulation_steps"] == 1
-    assert [r["step"] for r in whole] == [1, 2]
-    assert [r["reward"] for r in split] == [r["reward"] for r in whole]
-    assert any(r["grad_norm"] > 0 for r in whole)
-    for a, b in zip(whole, split, strict=True):
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=1e-9)
-    # trainer.length_grouping ran on both (here one prompt a rank, completions mostly of full length: little to cut;
-    # tests/test_micro_batches.py has steps where it cuts)
-    assert all(0 < r["micro_batches/tokens_vs_trl"] <= 1 for r in split + whole)
 
 
 def test_auto_plans_what_the_recorded_h200_sweep_found_fastest_within_the_limit():

@@ -115,8 +115,8 @@ def test_an_installed_package_copies_its_script_out(tmp_path, monkeypatch):
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- test-command -->", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0].strip()
-    assert block == "python -m pytest -q"
+    assert block == "python -m pytest -q -n 2"
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert block in ci, ".ci/run must call the README's exact test command"
     tests = readme.split("\n## Tests\n", 1)[1].split("\n## ", 1)[0]
-    assert '`python -m pytest -q -m "not slow"`' in tests, "the Tests section names the fast tier"
+    assert '`python -m pytest -q -n 2 -m "not slow"`' in tests, "the Tests section names the fast tier"
