@@ -491,8 +491,8 @@ def analysis(mean_length: bool = False) -> dict:
 # vLLM's engine core inside the engine process), pinned as they ran: ZeRO-2, sleep 0, c256 in one micro-batch of 256
 # (the plan then), d256 (the 1.7B shape) in 32 × 8; c256 with two engine processes in L's `overlap-2e` and M's
 # `overlap` (the default by then), the others one; `overlap-mps` under MPS (O: the driver's daemon; P, R:
-# `generation.mps`), `overlap-2e-mps` two engine processes under it (R). Not: `overlap-plain` (no DeepSpeed), `overlap-mp` (vLLM's engine core apart), `overlap-nogroup`,
-# `overlap-4e`, and I (d256 with checkpointing).
+# `generation.mps`), `overlap-2e-mps` two engine processes under it (R). Not: `overlap-plain` (no DeepSpeed),
+# `overlap-mp` (vLLM's engine core apart), `overlap-nogroup`, `overlap-4e`, and I (d256 with checkpointing).
 OVERLAP_INVOCATIONS = ("H", "J", "L", "M", "N", "O", "P", "R")
 OVERLAP_ARMS = ("overlap", "overlap-2e", "overlap-mps", "overlap-2e-mps")
 OVERLAP_PINNED = [
