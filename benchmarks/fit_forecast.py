@@ -558,18 +558,21 @@ def overlap_analysis(fitted: dict[str, float]) -> dict:
     rows = overlap_rows()
     factors = fit_overlap(rows, fitted)
     loo = overlap_errors(rows, fitted, lambda row: fit_overlap([r for r in rows if r is not row], fitted))
-    shapes = [r.shape for r in rows]
+
+    def covered(shapes: list[fc.Shape]) -> dict[str, tuple]:
+        return {
+            "params_b": (round(min(s.params_b for s in shapes), 3), round(max(s.params_b for s in shapes), 3)),
+            "completions": (min(s.completions for s in shapes), max(s.completions for s in shapes)),
+            "gpus": (min(s.gpus for s in shapes), max(s.gpus for s in shapes)),
+        }
+
     return dict(
         rows=rows,
         fitted=factors,
         in_sample=overlap_errors(rows, fitted, lambda row: factors),
         loo=loo,
         leave_one_out=summary({"s/step": loo}),
-        covered={
-            "params_b": (round(min(s.params_b for s in shapes), 3), round(max(s.params_b for s in shapes), 3)),
-            "completions": (min(s.completions for s in shapes), max(s.completions for s in shapes)),
-            "gpus": (min(s.gpus for s in shapes), max(s.gpus for s in shapes)),
-        },
+        covered={regime: covered([r.shape for r in rows if r.shape.overlap == regime]) for regime in factors},
     )
 
 
@@ -620,7 +623,10 @@ def main() -> None:
     print("OVERLAP_FITTED = {")
     for regime, factors in o["fitted"].items():
         print(f'    "{regime}": {{' + ", ".join(f'"{k}": {v:.4g}' for k, v in factors.items()) + "},")
-    print(f"}}\nOVERLAP_LEAVE_ONE_OUT = {o['leave_one_out']}\nOVERLAP_COVERED = {o['covered']}")
+    print(f"}}\nOVERLAP_LEAVE_ONE_OUT = {o['leave_one_out']}\nOVERLAP_COVERED = {{")
+    for regime, spans in o["covered"].items():
+        print(f'    "{regime}": {spans},')
+    print("}")
 
 
 if __name__ == "__main__":

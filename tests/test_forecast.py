@@ -165,7 +165,7 @@ def test_a_forecast_names_what_is_beyond_the_rows():
     assert fc.forecast_lines(f)[-1].startswith("forecast beyond the rows: parameters 7.62B")
     assert not fc.forecast(resolved("smollm2-135m-gsm8k", H200, *TURNS)).beyond  # a measured configuration
     overlapped = fc.forecast(resolved("smollm2-135m-gsm8k", H200))  # as shipped: 32 completions a step, overlapped
-    assert overlapped.beyond == ("overlapped, completions per rank 32 (rows: 256)",)
+    assert overlapped.beyond == ("overlapped with 2 engine processes, completions per rank 32 (rows: 256)",)
 
 
 def test_the_overlap_factors_are_the_fit_of_the_overlapped_rows(fit):
@@ -208,6 +208,10 @@ def test_an_overlapped_step_is_the_ranks_work_beside_the_engine_and_the_wait_for
     )
     assert (under.overlap, beside.overlap) == ("one engine process under MPS", "one engine process")
     assert under.phases["training"] < beside.phases["training"]  # measured: 3.4 against 4.7 s a step
+    assert not under.beyond and not beside.beyond  # d256: measured in both regimes
+    # each regime names the rows it was fitted to: the MPS rows are all at the 1.7B shape
+    small = fc.forecast(resolved("smollm2-135m-gsm8k", host, *d256[1:], "generation.mps=on"))
+    assert small.beyond == ("overlapped with 2 engine processes under MPS, parameters 0.135B (rows: 1.71B)",)
 
 
 def test_the_forecast_is_the_sum_of_its_phases():

@@ -297,10 +297,10 @@ def beyond_rows(resolved: Resolved, shape: Shape) -> list[str]:
     notes += ["beta > 0 (the reference model's forward is not modelled)"] * (r.trainer.beta > 0)
     notes += ["reward models (their forward is not modelled)"] * any(x.model for x in r.rewards)
     if shape.overlap is not None:
-        o = OVERLAP_COVERED
-        notes += _beyond(shape.params_b, o["params_b"], "overlapped, parameters", "B")
-        notes += _beyond(shape.completions, o["completions"], "overlapped, completions per rank")
-        notes += _beyond(shape.gpus, o["gpus"], "overlapped, GPUs")
+        o, what = OVERLAP_COVERED[shape.overlap], f"overlapped with {shape.overlap}"  # its regime's rows
+        notes += _beyond(shape.params_b, o["params_b"], f"{what}, parameters", "B")
+        notes += _beyond(shape.completions, o["completions"], f"{what}, completions per rank")
+        notes += _beyond(shape.gpus, o["gpus"], f"{what}, GPUs")
     return notes
 
 

@@ -60,5 +60,10 @@ OVERLAP_FITTED = {
 }
 # |forecast − measured| / measured in %, each overlapped row left out of its regime's fit in turn
 OVERLAP_LEAVE_ONE_OUT = {"s/step": (6.6, 48.9, 21)}
-# What the overlapped rows span (beyond it: forecast with a note)
-OVERLAP_COVERED = {"params_b": (0.135, 1.711), "completions": (256, 256), "gpus": (1, 1)}
+# What each regime's overlapped rows span (beyond it: forecast with a note)
+OVERLAP_COVERED = {
+    "one engine process": {"params_b": (0.135, 1.711), "completions": (256, 256), "gpus": (1, 1)},
+    "2 engine processes": {"params_b": (0.135, 0.135), "completions": (256, 256), "gpus": (1, 1)},
+    "one engine process under MPS": {"params_b": (1.711, 1.711), "completions": (256, 256), "gpus": (1, 1)},
+    "2 engine processes under MPS": {"params_b": (1.711, 1.711), "completions": (256, 256), "gpus": (1, 1)},
+}
