@@ -433,18 +433,21 @@ def summary(errs: dict[str, list[tuple[Row, float]]]) -> dict[str, tuple[float, 
     }
 
 
+def spans(shapes: list[fc.Shape], attrs: tuple[str, ...]) -> dict[str, tuple]:
+    """(lowest, highest) of each attribute over `shapes`, parameters rounded to 3 digits."""
+
+    def span(attr: str) -> tuple:
+        values = [getattr(s, attr) for s in shapes]
+        low, high = min(values), max(values)
+        return (round(low, 3), round(high, 3)) if attr == "params_b" else (low, high)
+
+    return {a: span(a) for a in attrs}
+
+
 def covered(rows: list[Row]) -> dict[str, tuple]:
     shapes = [r.shape for r in rows if not r.lora]
-
-    def span(attr: str, digits: int | None = None) -> tuple:
-        values = [getattr(s, attr) for s in shapes]
-        return (round(min(values), digits), round(max(values), digits)) if digits else (min(values), max(values))
-
-    spans = {
-        a: span(a, 3 if a == "params_b" else None)
-        for a in ("params_b", "tokens", "completions", "micro_batches", "gpus")
-    }
-    return {**spans, "sleep_levels": tuple(sorted({s.sleep_level for s in shapes}))}
+    ranges = spans(shapes, ("params_b", "tokens", "completions", "micro_batches", "gpus"))
+    return {**ranges, "sleep_levels": tuple(sorted({s.sleep_level for s in shapes}))}
 
 
 def with_mean_length(rows: list[Row]) -> list[Row]:
@@ -558,21 +561,16 @@ def overlap_analysis(fitted: dict[str, float]) -> dict:
     rows = overlap_rows()
     factors = fit_overlap(rows, fitted)
     loo = overlap_errors(rows, fitted, lambda row: fit_overlap([r for r in rows if r is not row], fitted))
-
-    def covered(shapes: list[fc.Shape]) -> dict[str, tuple]:
-        return {
-            "params_b": (round(min(s.params_b for s in shapes), 3), round(max(s.params_b for s in shapes), 3)),
-            "completions": (min(s.completions for s in shapes), max(s.completions for s in shapes)),
-            "gpus": (min(s.gpus for s in shapes), max(s.gpus for s in shapes)),
-        }
-
     return dict(
         rows=rows,
         fitted=factors,
         in_sample=overlap_errors(rows, fitted, lambda row: factors),
         loo=loo,
         leave_one_out=summary({"s/step": loo}),
-        covered={regime: covered([r.shape for r in rows if r.shape.overlap == regime]) for regime in factors},
+        covered={
+            regime: spans([r.shape for r in rows if r.shape.overlap == regime], ("params_b", "completions", "gpus"))
+            for regime in factors
+        },
     )
 
 
