@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Overlap (issue 28), side by side in one invocation on one GPU: colocate-rl with `generation.overlap: one_step`,
 colocate-rl without (`off`; `process`: without, the engine in its own process, for its generation speed alone;
-`overlap-mps`: with, `generation.mps: on`, `overlap-2e-mps` the same with two engine processes (every other
-colocate-rl arm sets it off, as measured before it existed);
+`overlap-mps`: with, `generation.mps: on`, `overlap-2e-mps` the same with two engine processes, `overlap-flat-mps`
+the same with the trainer and the engine at one MPS client priority (as before 2026-12-05's invocation S; every
+other colocate-rl arm sets `generation.mps` off, as measured before it existed);
 `overlap-mp`: with, vLLM's engine core in a process of its own beside the engine process; `overlap-plain`: with,
 the trainer without DeepSpeed, fp32 weights under bf16 autocast; `overlap-omp1`: with, every process of the run at
 one torch CPU thread, as vLLM sets its own multiprocess workers against CPU contention; `process` and `overlap`
@@ -49,8 +50,8 @@ sys.path.insert(0, str(ROOT))
 
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
 # process: no overlap, the engine in its own process; overlap-mps: overlap under colocate-rl's CUDA MPS daemon
-ARMS = ("overlap", "off", "process", "trl", "trl-lean", "trl-mb32", "overlap-mps", "overlap-2e-mps", "overlap-mp",
-        "overlap-plain", "overlap-omp1",
+ARMS = ("overlap", "off", "process", "trl", "trl-lean", "trl-mb32", "overlap-mps", "overlap-2e-mps", "overlap-flat-mps",
+        "overlap-mp", "overlap-plain", "overlap-omp1",
         "process-1e", "process-2e", "process-4e", "overlap-1e", "overlap-2e", "overlap-4e", "overlap-nogroup")  # fmt: skip
 ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry says why)
     "process": ["generation.engine_process=true"],
@@ -65,7 +66,10 @@ ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry s
     "overlap-4e": ["generation.engine_processes=4"],
     "overlap-nogroup": ["trainer.length_grouping=false"],
 }
-ARM_ENV = {"overlap-omp1": {"OMP_NUM_THREADS": "1"}}  # the plan leaves a variable the user set alone
+ARM_ENV = {  # the plan and the MPS wrapper leave a variable the user set alone
+    "overlap-omp1": {"OMP_NUM_THREADS": "1"},
+    "overlap-flat-mps": {"CUDA_MPS_CLIENT_PRIORITY": "0"},
+}
 PHASES = ("generate", "prepare", "reward", "train", "weight_sync", "optimizer")
 SHAPE_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                   intermediate_size=8192)  # fmt: skip

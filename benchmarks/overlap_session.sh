@@ -27,6 +27,9 @@
 #   d2e     the 1.7B shape with two engine processes under MPS against TRL and one engine process under MPS,
 #           A-B-C-A-B-C (D2E_ORDER changes it). In R two were no faster (4.90 / 4.92 s/step against one's 4.81 / 4.69:
 #           each engine's half batch took as long as one engine's whole), so auto keeps one there
+#   prio    the 1.7B shape under MPS with the engine processes at a higher MPS client priority than the trainer
+#           (the default since invocation S) against both at one priority (as in O, P, R) and TRL, A-B-C-A-B-C
+#           (PRIO_ORDER changes it)
 #   gputest the GPU tests of overlap under colocate-rl's own MPS daemon, of overlap on the real model, and of the
 #           default plan (overlap auto)
 # vmstat throughout.
@@ -60,6 +63,9 @@ for st in $STAGES; do
     d2e) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 \
            --order "${D2E_ORDER:-overlap-2e-mps,trl-mb32,overlap-mps,overlap-2e-mps,trl-mb32,overlap-mps}" \
            > $R/d2e.log 2>&1 ;;
+    prio) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 \
+            --order "${PRIO_ORDER:-overlap-mps,trl-mb32,overlap-flat-mps,overlap-mps,trl-mb32,overlap-flat-mps}" \
+            > $R/prio.log 2>&1 ;;
     gputest) REAL_MODEL_DIR=$M REAL_DATA_DIR=$(dirname "$D") GPU_FIGURES=$R OVERLAP_ORDER=one_step,off \
                python -m pytest -m gpu -s -q tests/test_gpu.py \
                -k "${GPUTEST_K:-own_mps_daemon or overlap_on_the_real_model or default_plan_overlaps}" \
