@@ -45,27 +45,23 @@ def test_the_command_runs_as_the_client_of_a_daemon_of_its_own_that_quits_after_
     assert killed.returncode == -signal.SIGKILL  # as torchrun's own status: the launcher reads how it ended
 
 
-@pytest.mark.parametrize("user", [None, "0"])
-def test_the_trainers_run_below_the_engine_processes_mps_priority_unless_the_user_set_one(
-    tmp_path, fake_mps, monkeypatch, user
-):
-    """Under the run's own daemon the trainers (the command's processes) are MPS clients of below-normal priority
-    and each engine process, as it starts, of normal (the engine's batch is the step at 1.7B); a priority the user
-    set is every client's."""
+@pytest.mark.parametrize("engine", [None, "0"])
+def test_an_engine_process_takes_its_own_mps_priority_where_one_is_set(tmp_path, fake_mps, monkeypatch, engine):
+    """The command (the trainers) gets the environment's CUDA_MPS_CLIENT_PRIORITY; an engine process, as it starts,
+    takes COLOCATE_RL_ENGINE_MPS_PRIORITY's where set (benchmarks' overlap-prio-mps: trainer 1, engine 0)."""
     from colocate_rl.launch.mps import ENGINE_PRIORITY, PRIORITY, engine_priority
 
     (tmp_path / "run").mkdir()
     show = f"import os; print(os.environ.get({PRIORITY!r}), os.environ.get({ENGINE_PRIORITY!r}))"
-    env = {**fake_mps, PRIORITY: user} if user else fake_mps
+    env = {**fake_mps, PRIORITY: "1", **({ENGINE_PRIORITY: engine} if engine else {})}
     proc = wrapped(tmp_path, env, sys.executable, "-c", show)
     out, err = proc.communicate(timeout=60)
-    trainer, engine = out.strip().splitlines()[-1].split()
-    assert proc.returncode == 0 and (trainer, engine) == (("1", "0") if user is None else ("0", "None")), err
-    monkeypatch.setenv(PRIORITY, trainer)  # an engine process spawned by that trainer
-    if engine != "None":
+    assert proc.returncode == 0 and out.strip().splitlines()[-1].split() == ["1", str(engine)], err
+    monkeypatch.setenv(PRIORITY, "1")  # in an engine process that trainer started
+    if engine:
         monkeypatch.setenv(ENGINE_PRIORITY, engine)
     engine_priority()
-    assert os.environ[PRIORITY] == ("0" if user is None else user) and ENGINE_PRIORITY not in os.environ
+    assert os.environ[PRIORITY] == (engine or "1") and ENGINE_PRIORITY not in os.environ
 
 
 def test_two_runs_at_once_each_run_under_a_daemon_of_their_own(tmp_path, fake_mps):

@@ -5,11 +5,10 @@ torchrun so.
 
 The daemon (`nvidia-cuda-mps-control -f`, in a session of its own, ended with this process however it ends) gets a
 fresh directory under the temp dir for its pipes (a socket path holds ~100 characters) and LOG_DIR for its logs;
-COMMAND finds it by CUDA_MPS_PIPE_DIRECTORY. The engine's batch beside training is the step where MPS is on (1.7B:
-docs/benchmarks), so COMMAND's processes (the trainers) run at NVIDIA's below-normal MPS client priority and the
-engine processes at normal (`engine_priority`); where CUDA_MPS_CLIENT_PRIORITY is set already, every client keeps
-that. Stop signals are passed on to COMMAND (ended, as the daemon is, if this
-process is killed); once COMMAND ends the daemon is asked to quit (killed if it does not) and this process exits with
+COMMAND finds it by CUDA_MPS_PIPE_DIRECTORY; a CUDA_MPS_CLIENT_PRIORITY of the environment is every client's, but an
+engine process takes COLOCATE_RL_ENGINE_MPS_PRIORITY's where that is set (`engine_priority`: the trainers below
+the engines, the benchmark arm `overlap-prio-mps`; not yet measured). Stop signals are passed on to COMMAND (ended,
+as the daemon is, if this process is killed); once COMMAND ends the daemon is asked to quit (killed if it does not) and this process exits with
 COMMAND's code, or ends by the signal that ended COMMAND. When the daemon does not start (its control pipe does not
 appear, or it exits): one line on stderr and in RUN_DIR's events, exit 2, COMMAND not run; with --or-without (`mps:
 auto` chose it) a line on stderr and COMMAND runs without MPS.
@@ -47,15 +46,9 @@ def client_env(env: Mapping[str, str], pipe: Path, log_dir: Path) -> dict[str, s
     return {**env, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(log_dir)}
 
 
-def with_priorities(env: Mapping[str, str]) -> dict[str, str]:
-    """`env` for COMMAND: its processes below normal and the engine processes they start at normal, unless PRIORITY
-    is set (then every client keeps it)."""
-    return dict(env) if PRIORITY in env else {**env, PRIORITY: "1", ENGINE_PRIORITY: "0"}
-
-
 def engine_priority() -> None:
-    """In an engine process, before its CUDA context exists: its MPS client priority (ENGINE_PRIORITY, which the
-    launch sets only under its own daemon), and none passed on to the processes it starts."""
+    """In an engine process, before its CUDA context exists: ENGINE_PRIORITY, where set, as its MPS client priority
+    and that of the processes it starts (vLLM's engine core)."""
     if (priority := os.environ.pop(ENGINE_PRIORITY, None)) is not None:
         os.environ[PRIORITY] = priority
 
@@ -122,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             said = str(e).replace("generation.mps: on", "generation.mps auto", 1).removesuffix(f"; {FIX}")
             print(f"colocate-rl: {said}; running without MPS", file=sys.stderr, flush=True)
             env = dict(os.environ)  # auto's choice: the run goes on as it would have without the daemon
-        code = run_command(command, with_priorities(env) if daemon is not None else env)
+        code = run_command(command, env)
     finally:
         if daemon is not None:
             stop_daemon(daemon, env)
