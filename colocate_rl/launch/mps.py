@@ -6,12 +6,12 @@ torchrun so.
 The daemon (`nvidia-cuda-mps-control -f`, in a session of its own, ended with this process however it ends) gets a
 fresh directory under the temp dir for its pipes (a socket path holds ~100 characters) and LOG_DIR for its logs;
 COMMAND finds it by CUDA_MPS_PIPE_DIRECTORY; a CUDA_MPS_CLIENT_PRIORITY of the environment is every client's, but an
-engine process takes COLOCATE_RL_ENGINE_MPS_PRIORITY's where that is set (`engine_priority`: the trainers below
-the engines, the benchmark arm `overlap-prio-mps`; not yet measured). Stop signals are passed on to COMMAND (ended,
-as the daemon is, if this process is killed); once COMMAND ends the daemon is asked to quit (killed if it does not) and this process exits with
-COMMAND's code, or ends by the signal that ended COMMAND. When the daemon does not start (its control pipe does not
-appear, or it exits): one line on stderr and in RUN_DIR's events, exit 2, COMMAND not run; with --or-without (`mps:
-auto` chose it) a line on stderr and COMMAND runs without MPS.
+engine process takes COLOCATE_RL_ENGINE_MPS_PRIORITY's where that is set (`engine_priority`: the trainers below the
+engines, the benchmark arm `overlap-prio-mps`; not yet measured). Stop signals are passed on to COMMAND (ended, as the
+daemon is, if this process is killed); once COMMAND ends the daemon is asked to quit (killed if it does not) and this
+process exits with COMMAND's code, or ends by the signal that ended COMMAND. When the daemon does not start (its
+control pipe does not appear, or it exits): one line on stderr and in RUN_DIR's events, exit 2, COMMAND not run; with
+--or-without (`mps: auto` chose it) a line on stderr and COMMAND runs without MPS.
 """
 
 from __future__ import annotations
