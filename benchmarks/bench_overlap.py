@@ -2,8 +2,9 @@
 """Overlap (issue 28), side by side in one invocation on one GPU: colocate-rl with `generation.overlap: one_step`,
 colocate-rl without (`off`; `process`: without, the engine in its own process, for its generation speed alone;
 `overlap-mps`: with, `generation.mps: on`, `overlap-2e-mps` the same with two engine processes, `overlap-prio-mps`
-the same with the trainer at NVIDIA's below-normal MPS client priority and the engine process at normal (every
-other colocate-rl arm sets `generation.mps` off, as measured before it existed);
+the same with the trainer at NVIDIA's below-normal MPS client priority and the engine process at normal,
+`overlap-cap-mps` the same with the trainer's kernels on at most 75 % of the GPU's SMs and the engine's on all
+(every other colocate-rl arm sets `generation.mps` off, as measured before it existed);
 `overlap-mp`: with, vLLM's engine core in a process of its own beside the engine process; `overlap-plain`: with,
 the trainer without DeepSpeed, fp32 weights under bf16 autocast; `overlap-omp1`: with, every process of the run at
 one torch CPU thread, as vLLM sets its own multiprocess workers against CPU contention; `process` and `overlap`
@@ -48,12 +49,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from colocate_rl.launch.mps import ENGINE_PRIORITY, PRIORITY  # noqa: E402 (after the path above)
+from colocate_rl.launch.mps import ENGINE_PRIORITY, ENGINE_THREADS, PRIORITY, THREADS  # noqa: E402 (after the path above)
 
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
 # process: no overlap, the engine in its own process; overlap-mps: overlap under colocate-rl's CUDA MPS daemon
 ARMS = ("overlap", "off", "process", "trl", "trl-lean", "trl-mb32", "overlap-mps", "overlap-2e-mps", "overlap-prio-mps",
-        "overlap-mp", "overlap-plain", "overlap-omp1",
+        "overlap-cap-mps", "overlap-mp", "overlap-plain", "overlap-omp1",
         "process-1e", "process-2e", "process-4e", "overlap-1e", "overlap-2e", "overlap-4e", "overlap-nogroup")  # fmt: skip
 ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry says why)
     "process": ["generation.engine_process=true"],
@@ -71,6 +72,7 @@ ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry s
 ARM_ENV = {  # the plan and the MPS wrapper leave a variable the user set alone
     "overlap-omp1": {"OMP_NUM_THREADS": "1"},
     "overlap-prio-mps": {PRIORITY: "1", ENGINE_PRIORITY: "0"},  # trainer below normal, engine normal
+    "overlap-cap-mps": {THREADS: "75", ENGINE_THREADS: "100"},  # trainer on 75 % of the SMs, engine on all
 }
 PHASES = ("generate", "prepare", "reward", "train", "weight_sync", "optimizer")
 SHAPE_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
@@ -313,7 +315,8 @@ class Run:
         self.log.close()
         row = {"order": self.order, "workload": a.workload, "arm": self.arm, "seed": self.seed, "exit": code,
                "wall_s": round(time.time() - self.started, 1), "nvml_peak_gib": self.peak.stop(),
-               **figures(self.arm, self.run, self.started), "command": shlex.join(self.argv)}  # fmt: skip
+               **figures(self.arm, self.run, self.started), "env": ARM_ENV.get(self.arm, {}),
+               "command": shlex.join(self.argv)}  # fmt: skip
         if concurrent:  # runs shared the GPU: times and the GPU's peak are not this run's alone
             row.update(concurrent=True, s_per_step=None, nvml_peak_gib=None)
         with results_file.open("a") as f:

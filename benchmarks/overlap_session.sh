@@ -28,8 +28,9 @@
 #           A-B-C-A-B-C (D2E_ORDER changes it). In R two were no faster (4.90 / 4.92 s/step against one's 4.81 / 4.69:
 #           each engine's half batch took as long as one engine's whole), so auto keeps one there
 #   prio    the 1.7B shape under MPS with the engine process at a higher MPS client priority than the trainer
-#           (overlap-prio-mps) against both at one (overlap-mps, as in O, P, R) and TRL, A-B-C-A-B-C (PRIO_ORDER
-#           changes it). Not yet run: no H200 could be had on 2026-12-05's last session
+#           (overlap-prio-mps) A-B-A-B against TRL first (the 2x target), then the trainer capped at 75 % of the
+#           SMs (overlap-cap-mps) and both as in O, P, R (overlap-mps) once each (PRIO_ORDER changes it). Not yet
+#           run: no H200 could be had in 2026-12-05's last two sessions
 #   gputest the GPU tests of overlap under colocate-rl's own MPS daemon, of overlap on the real model, and of the
 #           default plan (overlap auto)
 # vmstat throughout.
@@ -64,7 +65,7 @@ for st in $STAGES; do
            --order "${D2E_ORDER:-overlap-2e-mps,trl-mb32,overlap-mps,overlap-2e-mps,trl-mb32,overlap-mps}" \
            > $R/d2e.log 2>&1 ;;
     prio) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 \
-            --order "${PRIO_ORDER:-overlap-prio-mps,trl-mb32,overlap-mps,overlap-prio-mps,trl-mb32,overlap-mps}" \
+            --order "${PRIO_ORDER:-overlap-prio-mps,trl-mb32,overlap-prio-mps,trl-mb32,overlap-cap-mps,overlap-mps}" \
             > $R/prio.log 2>&1 ;;
     gputest) REAL_MODEL_DIR=$M REAL_DATA_DIR=$(dirname "$D") GPU_FIGURES=$R OVERLAP_ORDER=one_step,off \
                python -m pytest -m gpu -s -q tests/test_gpu.py \

@@ -45,23 +45,29 @@ def test_the_command_runs_as_the_client_of_a_daemon_of_its_own_that_quits_after_
     assert killed.returncode == -signal.SIGKILL  # as torchrun's own status: the launcher reads how it ended
 
 
-@pytest.mark.parametrize("engine", [None, "0"])
-def test_an_engine_process_takes_its_own_mps_priority_where_one_is_set(tmp_path, fake_mps, monkeypatch, engine):
-    """The command (the trainers) gets the environment's CUDA_MPS_CLIENT_PRIORITY; an engine process, as it starts,
-    takes COLOCATE_RL_ENGINE_MPS_PRIORITY's where set (benchmarks' overlap-prio-mps: trainer 1, engine 0)."""
-    from colocate_rl.launch.mps import ENGINE_PRIORITY, PRIORITY, engine_priority
+@pytest.mark.parametrize("engine", [None, ("0", "100")])
+def test_an_engine_process_takes_its_own_mps_client_settings_where_they_are_set(
+    tmp_path, fake_mps, monkeypatch, engine
+):
+    """The command (the trainers) gets the environment's CUDA_MPS_CLIENT_PRIORITY and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE;
+    an engine process, as it starts, takes COLOCATE_RL_ENGINE_MPS_PRIORITY's and ..._THREAD_PERCENTAGE's where set
+    (benchmarks' overlap-prio-mps: trainer 1, engine 0; overlap-cap-mps: trainer 75 %, engine 100 %)."""
+    from colocate_rl.launch.mps import ENGINE_PRIORITY, ENGINE_THREADS, PRIORITY, THREADS, engine_client_settings
 
     (tmp_path / "run").mkdir()
-    show = f"import os; print(os.environ.get({PRIORITY!r}), os.environ.get({ENGINE_PRIORITY!r}))"
-    env = {**fake_mps, PRIORITY: "1", **({ENGINE_PRIORITY: engine} if engine else {})}
-    proc = wrapped(tmp_path, env, sys.executable, "-c", show)
+    names = (PRIORITY, THREADS, ENGINE_PRIORITY, ENGINE_THREADS)
+    show = f"import os; print(*(os.environ.get(n) for n in {names!r}))"
+    trainer = {PRIORITY: "1", THREADS: "75"}
+    own = dict(zip((ENGINE_PRIORITY, ENGINE_THREADS), engine)) if engine else {}
+    proc = wrapped(tmp_path, {**fake_mps, **trainer, **own}, sys.executable, "-c", show)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0 and out.strip().splitlines()[-1].split() == ["1", str(engine)], err
-    monkeypatch.setenv(PRIORITY, "1")  # in an engine process that trainer started
-    if engine:
-        monkeypatch.setenv(ENGINE_PRIORITY, engine)
-    engine_priority()
-    assert os.environ[PRIORITY] == (engine or "1") and ENGINE_PRIORITY not in os.environ
+    shown = out.strip().splitlines()[-1].split()
+    assert proc.returncode == 0 and shown == ["1", "75", *map(str, engine or (None, None))], err
+    for name, value in {**trainer, **own}.items():  # in an engine process that trainer started
+        monkeypatch.setenv(name, value)
+    engine_client_settings()
+    assert (os.environ[PRIORITY], os.environ[THREADS]) == (engine or ("1", "75"))
+    assert ENGINE_PRIORITY not in os.environ and ENGINE_THREADS not in os.environ
 
 
 def test_two_runs_at_once_each_run_under_a_daemon_of_their_own(tmp_path, fake_mps):

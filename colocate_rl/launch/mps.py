@@ -5,9 +5,11 @@ torchrun so.
 
 The daemon (`nvidia-cuda-mps-control -f`, in a session of its own, ended with this process however it ends) gets a
 fresh directory under the temp dir for its pipes (a socket path holds ~100 characters) and LOG_DIR for its logs;
-COMMAND finds it by CUDA_MPS_PIPE_DIRECTORY; a CUDA_MPS_CLIENT_PRIORITY of the environment is every client's, but an
-engine process takes COLOCATE_RL_ENGINE_MPS_PRIORITY's where that is set (`engine_priority`: the trainers below the
-engines, the benchmark arm `overlap-prio-mps`; not yet measured). Stop signals are passed on to COMMAND (ended, as the
+COMMAND finds it by CUDA_MPS_PIPE_DIRECTORY. The environment's CUDA_MPS_CLIENT_PRIORITY and
+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE are every client's, but an engine process takes COLOCATE_RL_ENGINE_MPS_PRIORITY's
+and COLOCATE_RL_ENGINE_MPS_THREAD_PERCENTAGE's where those are set (`engine_client_settings`; the benchmark arms
+`overlap-prio-mps`, the trainers below the engines, and `overlap-cap-mps`, the trainers on part of the GPU's SMs;
+neither measured yet). Stop signals are passed on to COMMAND (ended, as the
 daemon is, if this process is killed); once COMMAND ends the daemon is asked to quit (killed if it does not) and this
 process exits with COMMAND's code, or ends by the signal that ended COMMAND. When the daemon does not start (its
 control pipe does not appear, or it exits): one line on stderr and in RUN_DIR's events, exit 2, COMMAND not run; with
@@ -33,8 +35,13 @@ QUIT_S = 30.0  # for the daemon to end after `quit` (it waits for its clients)
 FIX = "set generation.mps: off"
 OR_WITHOUT = "--or-without"  # `mps: auto` chose the daemon: a daemon that does not start is run without
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-PRIORITY = "CUDA_MPS_CLIENT_PRIORITY"  # NVIDIA's, read as a client's CUDA context is made: 0 normal, 1 below normal
+# NVIDIA's, read as a client's CUDA context is made: its scheduling priority (0 normal, 1 below normal), and the
+# percentage of the GPU's SMs its kernels may run on (at most the server's, 100 by default)
+PRIORITY = "CUDA_MPS_CLIENT_PRIORITY"
+THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 ENGINE_PRIORITY = "COLOCATE_RL_ENGINE_MPS_PRIORITY"  # what an engine process sets PRIORITY to before its context
+ENGINE_THREADS = "COLOCATE_RL_ENGINE_MPS_THREAD_PERCENTAGE"  # and THREADS
+ENGINE_OWN = {ENGINE_PRIORITY: PRIORITY, ENGINE_THREADS: THREADS}
 
 
 class MpsError(Exception):
@@ -46,11 +53,12 @@ def client_env(env: Mapping[str, str], pipe: Path, log_dir: Path) -> dict[str, s
     return {**env, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(log_dir)}
 
 
-def engine_priority() -> None:
-    """In an engine process, before its CUDA context exists: ENGINE_PRIORITY, where set, as its MPS client priority
-    and that of the processes it starts (vLLM's engine core)."""
-    if (priority := os.environ.pop(ENGINE_PRIORITY, None)) is not None:
-        os.environ[PRIORITY] = priority
+def engine_client_settings() -> None:
+    """In an engine process, before its CUDA context exists: ENGINE_PRIORITY and ENGINE_THREADS, where set, as its
+    MPS client priority and SM percentage, and those of the processes it starts (vLLM's engine core)."""
+    for engine_name, name in ENGINE_OWN.items():
+        if (value := os.environ.pop(engine_name, None)) is not None:
+            os.environ[name] = value
 
 
 def start_daemon(env: dict[str, str], pipe: Path, log_dir: Path) -> subprocess.Popen:

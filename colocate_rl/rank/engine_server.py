@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from colocate_rl.errors import one_line
-from colocate_rl.launch.mps import engine_priority
+from colocate_rl.launch.mps import engine_client_settings
 from colocate_rl.rank.engine import Generation, Sampling
 from colocate_rl.rank.weights import compare_weights, open_shared, staged
 from colocate_rl.telemetry import events
@@ -229,7 +229,7 @@ def usage_since(before: resource.struct_rusage, started: float) -> dict[str, flo
 def serve(conn, spec: dict[str, Any]) -> None:
     """The engine process: build the engine, then answer commands until `stop` or until the rank goes away."""
     _end_with_parent()
-    engine_priority()
+    engine_client_settings()
     try:
         engine = child_vllm(spec) if spec["kind"] == "vllm" else ChildTransformers(spec)
     except BaseException as e:
