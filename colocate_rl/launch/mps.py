@@ -3,17 +3,17 @@ client of a CUDA MPS daemon of its own (`generation.mps: on`), so that the proce
 its engine processes) run their kernels at once instead of taking time slices. `train` and `launch.sh` start
 torchrun so.
 
-The daemon (`nvidia-cuda-mps-control -f`, in a session of its own, ended with this process however it ends) gets a
-fresh directory under the temp dir for its pipes (a socket path holds ~100 characters) and LOG_DIR for its logs;
-COMMAND finds it by CUDA_MPS_PIPE_DIRECTORY. The environment's CUDA_MPS_CLIENT_PRIORITY and
-CUDA_MPS_ACTIVE_THREAD_PERCENTAGE are every client's, but an engine process takes COLOCATE_RL_ENGINE_MPS_PRIORITY's
-and COLOCATE_RL_ENGINE_MPS_THREAD_PERCENTAGE's where those are set (`engine_client_settings`; the benchmark arms
+The daemon (`nvidia-cuda-mps-control -f`, in a session of its own, ended with this process however it ends) gets a fresh
+directory under the temp dir for its pipes (a socket path holds ~100 characters) and LOG_DIR for its logs; COMMAND finds
+it by CUDA_MPS_PIPE_DIRECTORY. The environment's CUDA_MPS_CLIENT_PRIORITY and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE are
+every client's, but an engine process takes COLOCATE_RL_ENGINE_MPS_PRIORITY's and
+COLOCATE_RL_ENGINE_MPS_THREAD_PERCENTAGE's where those are set (`engine_client_settings`; the benchmark arms
 `overlap-prio-mps`, the trainers below the engines, and `overlap-cap-mps`, the trainers on part of the GPU's SMs;
-neither measured yet). Stop signals are passed on to COMMAND (ended, as the
-daemon is, if this process is killed); once COMMAND ends the daemon is asked to quit (killed if it does not) and this
-process exits with COMMAND's code, or ends by the signal that ended COMMAND. When the daemon does not start (its
-control pipe does not appear, or it exits): one line on stderr and in RUN_DIR's events, exit 2, COMMAND not run; with
---or-without (`mps: auto` chose it) a line on stderr and COMMAND runs without MPS.
+neither measured yet). Stop signals are passed on to COMMAND (ended, as the daemon is, if this process is killed); once
+COMMAND ends the daemon is asked to quit (killed if it does not) and this process exits with COMMAND's code, or ends by
+the signal that ended COMMAND. When the daemon does not start (its control pipe does not appear, or it exits): one line
+on stderr and in RUN_DIR's events, exit 2, COMMAND not run; with --or-without (`mps: auto` chose it) a line on stderr
+and COMMAND runs without MPS.
 """
 
 from __future__ import annotations
