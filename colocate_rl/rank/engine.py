@@ -69,7 +69,7 @@ class Generation:
     completion_ids: list[list[int]]
     logprobs: list[list[float | None]] | None = None
     # what an engine process spent generating it (overlap hides it): `generate_s` seconds; `cpu_s` its CPU seconds,
-    # all threads (CUDA's spin-waits count); `preempted` how often the OS took its CPU for another runnable thread
+    # all threads (a spinning wait on the GPU counts); `preempted` how often the OS took its CPU for another thread
     engine_usage: dict[str, float] | None = None
 
     @staticmethod

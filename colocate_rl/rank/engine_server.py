@@ -216,8 +216,8 @@ def _exit(code: int) -> None:
 
 def usage_since(before: resource.struct_rusage, started: float) -> dict[str, float]:
     """This process's wall and CPU seconds (all threads) since `started`/`before`, and its involuntary context
-    switches: the times the OS gave its CPU to another runnable thread (CPU contention, where CPU time cannot tell:
-    CUDA's waits spin)."""
+    switches: the times the OS gave its CPU to another runnable thread (CPU contention, which CPU time cannot show where
+    a wait on the GPU spins)."""
     now = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "generate_s": time.perf_counter() - started,
