@@ -202,7 +202,8 @@ def training_start(run: Path) -> float | None:
 
 
 STARTUP_LINES = ("torch.compile takes", "compiled graph", "Compiling a graph", "Graph capturing finished",
-                 "Loading weights took", "ready; staging buffer", "init engine")  # fmt: skip
+                 "Loading weights took", "ready; staging buffer", "init engine",
+                 "CUDA MPS daemon", "MPS client settings")  # fmt: skip  # the last two: the MPS settings in effect
 
 
 def startup_lines(run: Path, most: int = 16) -> list[str]:

@@ -194,7 +194,10 @@ def test_an_error_keeps_it_serving_stale_weights_fail_the_check_and_its_death_en
 
 
 @pytest.mark.slow  # starts the engine process
-def test_an_engine_process_that_cannot_start_says_why(tmp_path):
+def test_an_engine_process_that_cannot_start_says_why(tmp_path, monkeypatch, capfd):
+    """And, before it tries, it took its own MPS client priority (launch/mps.py) and said so in the rank's log."""
+    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "1")
+    monkeypatch.setenv("COLOCATE_RL_ENGINE_MPS_PRIORITY", "0")
     eng = P.ProcessEngine(
         spec(tmp_path / "missing"), tiny_model(), no_gather, bucket_bytes=4096, check_weights=True, device="cpu"
     )
@@ -202,6 +205,7 @@ def test_an_engine_process_that_cannot_start_says_why(tmp_path):
         eng.start()
     eng.stop()
     assert eng.process is None
+    assert "MPS client settings CUDA_MPS_CLIENT_PRIORITY=0" in capfd.readouterr().out
 
 
 def test_a_batch_is_split_in_order_among_the_engine_processes_and_joined_back():

@@ -35,7 +35,7 @@ def test_the_command_runs_as_the_client_of_a_daemon_of_its_own_that_quits_after_
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, err  # the command's own code
     daemon = json.loads((tmp_path / "run" / "mps" / "fake.json").read_text())
-    assert f"pipe {daemon['pipe']}" in out and "CUDA MPS daemon" in out
+    assert f"pipe {daemon['pipe']}" in out and "CUDA MPS daemon" in out and "clients' settings defaults" in out
     assert len(daemon["pipe"]) < 100  # a socket path: not under a long run directory
     assert (tmp_path / "run" / "mps" / "quit").exists() and not Path(daemon["pipe"]).exists()
     killed = wrapped(
@@ -63,10 +63,12 @@ def test_an_engine_process_takes_its_own_mps_client_settings_where_they_are_set(
     out, err = proc.communicate(timeout=60)
     shown = out.strip().splitlines()[-1].split()
     assert proc.returncode == 0 and shown == ["1", "75", *map(str, engine or (None, None))], err
+    assert f"clients' settings {PRIORITY}=1 {THREADS}=75" in out  # said in train.log
     for name, value in {**trainer, **own}.items():  # in an engine process that trainer started
         monkeypatch.setenv(name, value)
-    engine_client_settings()
+    said = engine_client_settings()
     assert (os.environ[PRIORITY], os.environ[THREADS]) == (engine or ("1", "75"))
+    assert said == (f"{PRIORITY}=0 {THREADS}=100" if engine else None)  # the engine process's line, where it took any
     assert ENGINE_PRIORITY not in os.environ and ENGINE_THREADS not in os.environ
 
 

@@ -192,10 +192,12 @@ def test_an_overlapped_run_learns_with_each_batch_generated_a_step_ahead(tmp_pat
     cores: reward 0.004 -> 0.833 (without overlap 0.011 -> 0.963; the first steps learn slower, from one-step-old
     samples and, with transformers, no importance-sampling correction), 0.216 against 0.310 s/step. With
     `generation.mps: on`, as auto runs a large model on a GPU: torchrun under the MPS daemon (here conftest's test
-    double), which quits after the run."""
+    double), which quits after the run; the trainers below the engine processes in MPS priority (the benchmark's
+    overlap-prio-mps), each process's settings in train.log."""
     run_dir = tmp_path / "run"
+    prio = {"CUDA_MPS_CLIENT_PRIORITY": "1", "COLOCATE_RL_ENGINE_MPS_PRIORITY": "0"}
     proc = start(run_dir, "quickstart", *("--set", "generation.overlap=one_step", "--set", "generation.mps=on"),
-                 env=fake_mps)  # fmt: skip
+                 env={**fake_mps, **prio})  # fmt: skip
     out, _ = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, out + (run_dir / "train.log").read_text()[-5000:]
     steps = step_records(run_dir)
@@ -210,6 +212,8 @@ def test_an_overlapped_run_learns_with_each_batch_generated_a_step_ahead(tmp_pat
     assert len(stops) == 2 and not any("dropped" in line for line in stops)  # no batch generated after the last step
     assert "overlap one_step, under CUDA MPS, engine in its own process" in out
     assert "CUDA MPS daemon" in log and (run_dir / "mps" / "fake.json").exists() and (run_dir / "mps" / "quit").exists()
+    assert "clients' settings CUDA_MPS_CLIENT_PRIORITY=1" in log
+    assert log.count("MPS client settings CUDA_MPS_CLIENT_PRIORITY=0") == 2  # each rank's engine process
 
 
 @pytest.mark.slow

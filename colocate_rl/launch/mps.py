@@ -53,12 +53,20 @@ def client_env(env: Mapping[str, str], pipe: Path, log_dir: Path) -> dict[str, s
     return {**env, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(log_dir)}
 
 
-def engine_client_settings() -> None:
+def client_settings(env: Mapping[str, str]) -> str:
+    """The MPS client settings `env` holds, for a log line: `CUDA_MPS_CLIENT_PRIORITY=1 ...`, or `defaults`."""
+    return " ".join(f"{name}={env[name]}" for name in (PRIORITY, THREADS) if name in env) or "defaults"
+
+
+def engine_client_settings() -> str | None:
     """In an engine process, before its CUDA context exists: ENGINE_PRIORITY and ENGINE_THREADS, where set, as its
-    MPS client priority and SM percentage, and those of the processes it starts (vLLM's engine core)."""
+    MPS client priority and SM percentage, and those of the processes it starts (vLLM's engine core). Returns the
+    settings it now has (`client_settings`) where it took any, else None."""
+    took = False
     for engine_name, name in ENGINE_OWN.items():
         if (value := os.environ.pop(engine_name, None)) is not None:
-            os.environ[name] = value
+            os.environ[name], took = value, True
+    return client_settings(os.environ) if took else None
 
 
 def start_daemon(env: dict[str, str], pipe: Path, log_dir: Path) -> subprocess.Popen:
@@ -112,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             daemon = start_daemon(env, pipe, log_dir)
-            print(f"[colocate-rl] CUDA MPS daemon {daemon.pid} for this run: pipes {pipe}, logs {log_dir}", flush=True)
+            print(
+                f"[colocate-rl] CUDA MPS daemon {daemon.pid} for this run: pipes {pipe}, logs {log_dir}; clients' "
+                f"settings {client_settings(env)}",
+                flush=True,
+            )
         except MpsError as e:
             if not or_without:
                 from colocate_rl.telemetry import events

@@ -229,7 +229,8 @@ def usage_since(before: resource.struct_rusage, started: float) -> dict[str, flo
 def serve(conn, spec: dict[str, Any]) -> None:
     """The engine process: build the engine, then answer commands until `stop` or until the rank goes away."""
     _end_with_parent()
-    engine_client_settings()
+    if (settings := engine_client_settings()) is not None:
+        events.log_line(f"[colocate-rl engine] engine process {os.getpid()}: MPS client settings {settings}")
     try:
         engine = child_vllm(spec) if spec["kind"] == "vllm" else ChildTransformers(spec)
     except BaseException as e:
