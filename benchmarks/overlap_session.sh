@@ -29,8 +29,9 @@
 #           each engine's half batch took as long as one engine's whole), so auto keeps one there
 #   prio    the 1.7B shape under MPS with the engine process at a higher MPS client priority than the trainer
 #           (overlap-prio-mps) A-B-A-B against TRL first (the 2x target), then the trainer capped at 75 % of the
-#           SMs (overlap-cap-mps) and both as in O, P, R (overlap-mps) once each (PRIO_ORDER changes it). Not yet
-#           run: no H200 could be had in 2026-12-05's last two sessions
+#           SMs (overlap-cap-mps) and both as in O, P, R (overlap-mps) once each (PRIO_ORDER changes it; should prio
+#           win, overlap-2e-prio-mps next: two engine processes at the higher priority). Not yet run: no H200 could
+#           be had in 2026-12-05's last three sessions
 #   gputest the GPU tests of overlap under colocate-rl's own MPS daemon, of overlap on the real model, and of the
 #           default plan (overlap auto)
 # vmstat throughout.

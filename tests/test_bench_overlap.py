@@ -3,7 +3,9 @@
 run directory a real CPU run writes in tests/test_overlap.py (the engine process without overlap: the `process` arm)."""
 
 import json
+import os
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,6 +119,33 @@ def test_the_mps_arm_is_the_overlap_run_under_colocate_rls_mps_daemon(tmp_path):
     with pytest.raises(SystemExit):
         B.main(["--out", str(tmp_path), "--model", "m", "--workload", "arith", "--order", "overlap-mps,off",
                 "--concurrent", "--dry-run"])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("arm", "base", "env"),
+    [
+        ("overlap-prio-mps", "overlap-mps", {"CUDA_MPS_CLIENT_PRIORITY": "1", "COLOCATE_RL_ENGINE_MPS_PRIORITY": "0"}),
+        ("overlap-cap-mps", "overlap-mps",
+         {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "75", "COLOCATE_RL_ENGINE_MPS_THREAD_PERCENTAGE": "100"}),
+        ("overlap-2e-prio-mps", "overlap-2e-mps",
+         {"CUDA_MPS_CLIENT_PRIORITY": "1", "COLOCATE_RL_ENGINE_MPS_PRIORITY": "0"}),
+    ],
+)  # fmt: skip
+def test_the_mps_settings_arms_are_their_base_run_in_the_environment_that_sets_them(arm, base, env, tmp_path):
+    """Same recipe as the base arm; the difference is the environment the run starts in (recorded in the row)."""
+
+    def recipe(name):
+        return recipe_of(B.command(name, "d256", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "run", 8, []))
+
+    assert recipe(arm) == recipe(base) and recipe(arm).generation.mps == "on"
+    run = B.Run(1, arm, 0, "r", tmp_path / "run", [sys.executable, "-c", "import os; print(dict(os.environ))"])
+    run.start(tmp_path, {"PATH": os.environ["PATH"]})
+    run.proc.wait(timeout=60)
+    run.log.close()
+    run.peak.stop()
+    shown = (tmp_path / "r.log").read_text()
+    assert all(f"'{name}': '{value}'" in shown for name, value in env.items()), shown
+    assert B.ARM_ENV[arm] == env and B.ARM_ENV.get(base) is None
 
 
 def test_the_mp_arm_is_the_overlap_run_with_vllms_engine_core_in_a_process_of_its_own(tmp_path):
