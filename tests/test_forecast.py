@@ -212,6 +212,24 @@ def test_an_overlapped_step_is_the_ranks_work_beside_the_engine_and_the_wait_for
     # each regime names the rows it was fitted to: the MPS rows are all at the 1.7B shape
     small = fc.forecast(resolved("smollm2-135m-gsm8k", host, *d256[1:], "generation.mps=on"))
     assert small.beyond == ("overlapped with 2 engine processes under MPS, parameters 0.135B (rows: 1.71B)",)
+    # MPS client settings from the environment (the benchmark's prio arm): no row ran them, so they are named
+    prio = replace(host, mps_settings=("COLOCATE_RL_ENGINE_MPS_PRIORITY=0", "CUDA_MPS_CLIENT_PRIORITY=1"))
+    under_prio, beside_prio = (
+        fc.forecast(resolved("smollm2-135m-gsm8k", prio, *d256, f"generation.mps={m}")) for m in ("on", "off")
+    )
+    assert under_prio.beyond == (
+        "MPS client settings COLOCATE_RL_ENGINE_MPS_PRIORITY=0 CUDA_MPS_CLIENT_PRIORITY=1 (rows: NVIDIA's defaults)",
+    )
+    assert not beside_prio.beyond  # without MPS they change nothing
+
+
+def test_the_host_reads_the_mps_client_settings_from_the_environment(monkeypatch):
+    from colocate_rl.plan.host import detect_host
+
+    for name in ("CUDA_MPS_CLIENT_PRIORITY", "COLOCATE_RL_ENGINE_MPS_THREAD_PERCENTAGE", "CUDA_MPS_PIPE_DIRECTORY"):
+        monkeypatch.setenv(name, "1")
+    settings = detect_host().mps_settings
+    assert settings == ("COLOCATE_RL_ENGINE_MPS_THREAD_PERCENTAGE=1", "CUDA_MPS_CLIENT_PRIORITY=1")  # not the pipe's
 
 
 def test_the_forecast_is_the_sum_of_its_phases():

@@ -1,12 +1,11 @@
 """The step-time forecast: seconds per step by phase, and the run's total, of a GPU run with colocate-rl's vLLM
 engine on H200s, from a small model fitted to the measured rows of docs/benchmarks/results/.
 
-A pure function of the resolved recipe and its host (like `colocate_rl.memory.estimate.estimate`). Per rank, with
-L = trainer.max_completion_length (every row: 256; the random-init layouts generate all of it, SmolLM2's completions
-averaged 216; with that mean as L the fit is no better, 8.2 against 7.7 % median error left one row out, 9.8 against
-8.9 % left one file out, and it is not known before the run: a batch decodes until its longest completion ends and
-training pads each micro-batch to its longest), C = completions per step, M = micro-batches per step, N = parameters
-in billions (those a token goes through for a mixture of experts), V = the vocabulary:
+A pure function of the resolved recipe and its host (like `colocate_rl.memory.estimate.estimate`). Per rank, with L =
+trainer.max_completion_length (every row: 256; SmolLM2's mean completion, 216, as L fit no better, and is not known
+before the run: a batch decodes until its longest completion ends, training pads each micro-batch to its longest), C =
+completions per step, M = micro-batches per step, N = parameters in billions (a mixture of experts: those a token goes
+through), V = the vocabulary:
 
     generation  = L · (decode step + C · (per sequence + N · per B params + V · per 100k vocabulary + KV · per MB
                   of KV read)), KV = the KV cache's bytes per token × L/2: what attention reads per decode step
@@ -25,15 +24,15 @@ in billions (those a token goes through for a mixture of experts), V = the vocab
                   phases above)
 
 Overlapped (`generation.overlap: one_step`), the rank's work runs beside the engine generating the next batch: by the
-regime (one engine process, two, one under CUDA MPS), training and the rest take their in-turn time × a factor, and
-generation is the wait for the batch generated ahead: the in-turn generation × a factor (the engine's batch beside
-the rank's work) less the rank's training and rest, or none. `OVERLAP_FITTED` holds the factors that fit the
-overlapped rows (relative least squares per regime), `OVERLAP_LEAVE_ONE_OUT` that fit's errors.
+regime (`OVERLAP_FITTED`'s keys: engine processes, under CUDA MPS or not, MPS at NVIDIA's default client settings),
+training and the rest take their in-turn time × a factor, and generation is the wait for the batch generated ahead:
+the in-turn generation × a factor less the rank's training and rest, or none; the factors fit the overlapped rows
+(relative least squares per regime), `OVERLAP_LEAVE_ONE_OUT` holds that fit's errors.
 
 `FITTED` holds the constants least-squares fitted (relative error; training's by the side of the max each row is on)
 by `benchmarks/fit_forecast.py` to the rows it lists (H200, vLLM 0.26, TRL 1.16; colocate-rl's engine alone on the GPU
-with CUDA graphs), none below 0 (a term the fit would make negative is held at 0: generation's per B params is, as
-a 256-sequence batch's decode took no longer at 1.5B than at 0.5B, so a model beyond the rows' 1.7B is forecast to
+with CUDA graphs), none below 0 (a term the fit would make negative is held at 0: generation's per B params is, as a
+256-sequence batch's decode took no longer at 1.5B than at 0.5B, so a model beyond the rows' 1.7B is forecast to
 generate too fast, and is named as beyond them), `LEAVE_ONE_OUT` the errors of that fit with each row left out in
 turn; `tests/test_forecast.py` checks that both are what the script computes. A recipe the rows say nothing about
 where a step spends its time differently (another GPU or the CPU, TRL's engine, eager vLLM, offload, tools, several
@@ -178,12 +177,8 @@ TERMS: dict[str, tuple[tuple[str, Callable[[Shape], float]], ...]] = {
 }
 # Training is not a sum: a micro-batch takes the longer of its floor (the CPU's launches and DeepSpeed's per-pass
 # work, which the GPU's compute hides once a micro-batch is large) and its compute; the optimizer step adds.
-FLOOR = (
-    "micro-batch, no DeepSpeed",
-    "micro-batch, ZeRO-0/1/2",
-    "micro-batch, ZeRO-3",
-    "micro-batch, DeepSpeed, per B params",
-)
+FLOOR = ("micro-batch, no DeepSpeed", "micro-batch, ZeRO-0/1/2", "micro-batch, ZeRO-3",
+         "micro-batch, DeepSpeed, per B params")  # fmt: skip
 COMPUTE = ("per B params and token trained", "per token trained")
 
 
@@ -296,6 +291,8 @@ def beyond_rows(resolved: Resolved, shape: Shape) -> list[str]:
     notes += ["LoRA (not modelled; the one LoRA row took 1.22× its full fine-tuning row)"] * (r.model.lora is not None)
     notes += ["beta > 0 (the reference model's forward is not modelled)"] * (r.trainer.beta > 0)
     notes += ["reward models (their forward is not modelled)"] * any(x.model for x in r.rewards)
+    under_mps = shape.overlap is not None and "MPS" in shape.overlap and resolved.host.mps_settings
+    notes += [f"MPS client settings {' '.join(resolved.host.mps_settings)} (rows: NVIDIA's defaults)"] * bool(under_mps)
     if shape.overlap is not None:
         o, what = OVERLAP_COVERED[shape.overlap], f"overlapped with {shape.overlap}"  # its regime's rows
         notes += _beyond(shape.params_b, o["params_b"], f"{what}, parameters", "B")

@@ -9,6 +9,9 @@ import subprocess
 from dataclasses import dataclass
 
 MPS_CONTROL = "nvidia-cuda-mps-control"  # NVIDIA's CUDA MPS control daemon (generation.mps)
+# what changes how MPS runs a client's kernels (NVIDIA's client variables; an engine process's own: launch/mps.py)
+MPS_SETTINGS = ("CUDA_MPS_CLIENT_PRIORITY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                "COLOCATE_RL_ENGINE_MPS_")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class Host:
     ram_gib: float | None = None  # this machine's memory; None for a host described on the command line
     mps_control: bool = False  # MPS_CONTROL is on PATH (generation.mps)
     mps_pipe_set: bool = False  # CUDA_MPS_PIPE_DIRECTORY is set: an MPS daemon of the user's serves the run
+    mps_settings: tuple[str, ...] = ()  # NAME=value of the MPS client settings in the environment (launch/mps.py)
 
     @property
     def gpu_count(self) -> int:
@@ -104,6 +108,7 @@ def detect_host() -> Host:
         ram_gib=psutil.virtual_memory().total / 2**30,
         mps_control=shutil.which(MPS_CONTROL) is not None,
         mps_pipe_set=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+        mps_settings=tuple(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(MPS_SETTINGS)),
     )
 
 
