@@ -5,7 +5,8 @@ colocate-rl without (`off`; `process`: without, the engine in its own process, f
 the same with the trainer at NVIDIA's below-normal MPS client priority and the engine process at normal,
 `overlap-cap-mps` the same with the trainer's kernels on at most 75 % of the GPU's SMs and the engine's on all,
 `overlap-2e-prio-mps` prio's with two engine processes (each CPU-bound loop on half the batch, should priority bring
-the engine back near its speed alone, where one thread's loop was the limit) (every other colocate-rl arm sets `generation.mps` off, as measured before it existed);
+the engine back near its speed alone, where one thread's loop was the limit); every other colocate-rl arm sets
+`generation.mps` off, as measured before it existed;
 `overlap-mp`: with, vLLM's engine core in a process of its own beside the engine process; `overlap-plain`: with,
 the trainer without DeepSpeed, fp32 weights under bf16 autocast; `overlap-omp1`: with, every process of the run at
 one torch CPU thread, as vLLM sets its own multiprocess workers against CPU contention; `process` and `overlap`
