@@ -5,8 +5,10 @@ colocate-rl without (`off`; `process`: without, the engine in its own process, f
 the same with the trainer at NVIDIA's below-normal MPS client priority and the engine process at normal,
 `overlap-cap-mps` the same with the trainer's kernels on at most 75 % of the GPU's SMs and the engine's on all,
 `overlap-2e-prio-mps` prio's with two engine processes (each CPU-bound loop on half the batch, should priority bring
-the engine back near its speed alone, where one thread's loop was the limit); every other colocate-rl arm sets
-`generation.mps` off, as measured before it existed;
+the engine back near its speed alone, where one thread's loop was the limit), `overlap-prio-ecap50-mps` and
+`overlap-prio-ecap70-mps` prio's with the engine's kernels on at most 50 or 70 % of the SMs (in S priority alone sped
+the engine's batch to 3.0-3.2 s and slowed training to 4.3-4.7: a cap on the engine leaves training the rest); every
+other colocate-rl arm sets `generation.mps` off, as measured before it existed;
 `overlap-mp`: with, vLLM's engine core in a process of its own beside the engine process; `overlap-plain`: with,
 the trainer without DeepSpeed, fp32 weights under bf16 autocast; `overlap-omp1`: with, every process of the run at
 one torch CPU thread, as vLLM sets its own multiprocess workers against CPU contention; `process` and `overlap`
@@ -56,7 +58,7 @@ from colocate_rl.launch.mps import ENGINE_PRIORITY, ENGINE_THREADS, PRIORITY, TH
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
 # process: no overlap, the engine in its own process; overlap-mps: overlap under colocate-rl's CUDA MPS daemon
 ARMS = ("overlap", "off", "process", "trl", "trl-lean", "trl-mb32", "overlap-mps", "overlap-2e-mps", "overlap-prio-mps",
-        "overlap-cap-mps", "overlap-2e-prio-mps", "overlap-mp", "overlap-plain", "overlap-omp1",
+        "overlap-cap-mps", "overlap-2e-prio-mps", "overlap-prio-ecap50-mps", "overlap-prio-ecap70-mps", "overlap-mp", "overlap-plain", "overlap-omp1",
         "process-1e", "process-2e", "process-4e", "overlap-1e", "overlap-2e", "overlap-4e", "overlap-nogroup")  # fmt: skip
 ARM_SETS = {  # what an arm sets beyond overlap on or off (its docstring entry says why)
     "process": ["generation.engine_process=true"],
@@ -76,6 +78,8 @@ ARM_ENV = {  # the plan and the MPS wrapper leave a variable the user set alone
     "overlap-omp1": {"OMP_NUM_THREADS": "1"},
     "overlap-prio-mps": {PRIORITY: "1", ENGINE_PRIORITY: "0"},  # trainer below normal, engine normal
     "overlap-2e-prio-mps": {PRIORITY: "1", ENGINE_PRIORITY: "0"},
+    "overlap-prio-ecap50-mps": {PRIORITY: "1", ENGINE_PRIORITY: "0", ENGINE_THREADS: "50"},  # engine first, on half
+    "overlap-prio-ecap70-mps": {PRIORITY: "1", ENGINE_PRIORITY: "0", ENGINE_THREADS: "70"},
     "overlap-cap-mps": {THREADS: "75", ENGINE_THREADS: "100"},  # trainer on 75 % of the SMs, engine on all
 }
 PHASES = ("generate", "prepare", "reward", "train", "weight_sync", "optimizer")

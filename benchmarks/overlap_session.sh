@@ -31,7 +31,10 @@
 #           (overlap-prio-mps) A-B-A-B against TRL first (the 2x target), then the trainer capped at 75 % of the
 #           SMs (overlap-cap-mps) and both as in O, P, R (overlap-mps) once each (PRIO_ORDER changes it; should prio
 #           win, overlap-2e-prio-mps next: two engine processes at the higher priority). Not yet run: no H200 could
-#           be had in 2026-12-05's last three sessions
+#           be had in 2026-12-05's last three sessions. Ran in S: priority alone sped the engine up (3.0-3.2 s a
+#           batch) but slowed training (4.3-4.7 s): 5.12 s/step; the cap slowed training and not the engine: 4.79
+#   balance the 1.7B shape under MPS, engine first in priority but on at most 50 or 70 % of the SMs, A-B-C-A-B-C
+#           against TRL (BALANCE_ORDER changes it)
 #   gputest the GPU tests of overlap under colocate-rl's own MPS daemon, of overlap on the real model, and of the
 #           default plan (overlap auto)
 # vmstat throughout.
@@ -68,6 +71,9 @@ for st in $STAGES; do
     prio) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 \
             --order "${PRIO_ORDER:-overlap-prio-mps,trl-mb32,overlap-prio-mps,trl-mb32,overlap-cap-mps,overlap-mps}" \
             > $R/prio.log 2>&1 ;;
+    balance) $B --data "$D" --out $RUNS/d256 --workload d256 --steps 8 --timeout 500 \
+               --order "${BALANCE_ORDER:-overlap-prio-ecap50-mps,overlap-prio-ecap70-mps,trl-mb32,overlap-prio-ecap50-mps,overlap-prio-ecap70-mps,trl-mb32}" \
+               > $R/balance.log 2>&1 ;;
     gputest) REAL_MODEL_DIR=$M REAL_DATA_DIR=$(dirname "$D") GPU_FIGURES=$R OVERLAP_ORDER=one_step,off \
                python -m pytest -m gpu -s -q tests/test_gpu.py \
                -k "${GPUTEST_K:-own_mps_daemon or overlap_on_the_real_model or default_plan_overlaps}" \

@@ -129,6 +129,9 @@ def test_the_mps_arm_is_the_overlap_run_under_colocate_rls_mps_daemon(tmp_path):
          {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "75", "COLOCATE_RL_ENGINE_MPS_THREAD_PERCENTAGE": "100"}),
         ("overlap-2e-prio-mps", "overlap-2e-mps",
          {"CUDA_MPS_CLIENT_PRIORITY": "1", "COLOCATE_RL_ENGINE_MPS_PRIORITY": "0"}),
+        ("overlap-prio-ecap50-mps", "overlap-mps",
+         {"CUDA_MPS_CLIENT_PRIORITY": "1", "COLOCATE_RL_ENGINE_MPS_PRIORITY": "0",
+          "COLOCATE_RL_ENGINE_MPS_THREAD_PERCENTAGE": "50"}),
     ],
 )  # fmt: skip
 def test_the_mps_settings_arms_are_their_base_run_in_the_environment_that_sets_them(arm, base, env, tmp_path):
@@ -233,14 +236,14 @@ def test_the_device_session_script_gives_each_stage_a_command_the_drivers_accept
     import subprocess
 
     env = {**os.environ, "EXTRA": "--dry-run", "R": str(tmp_path / "res"), "RUNS": str(tmp_path / "runs")}
-    env.update(M=str(tmp_path / "m"), D=str(tmp_path / "d.jsonl"), STAGES="learn d256 c256 c4e gen d2e")
+    env.update(M=str(tmp_path / "m"), D=str(tmp_path / "d.jsonl"), STAGES="learn d256 c256 c4e gen d2e prio balance")
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "overlap_session.sh")], env=env, timeout=240)
     assert done.returncode == 0
     res = tmp_path / "res"
     stages = [line.split()[1] for line in (res / "progress").read_text().splitlines() if line.startswith("== ")]
-    assert stages == ["learn", "d256", "c256", "c4e", "gen", "d2e", "done"]
+    assert stages == ["learn", "d256", "c256", "c4e", "gen", "d2e", "prio", "balance", "done"]
     arms = {}
-    for stage in ("learn", "d256", "c256", "c4e", "d2e"):
+    for stage in ("learn", "d256", "c256", "c4e", "d2e", "prio", "balance"):
         log = (res / f"{stage}.log").read_text()
         assert "usage:" not in log and "error" not in log.lower(), log
         lines = [line for line in log.splitlines() if line.startswith("[")]
@@ -254,5 +257,8 @@ def test_the_device_session_script_gives_each_stage_a_command_the_drivers_accept
     two, one = arms[("d2e", "overlap-2e-mps")], arms[("d2e", "overlap-mps")]
     assert (two.generation.engine_processes, two.generation.mps) == (2, "on")
     assert (one.generation.engine_processes, one.generation.mps) == ("auto", "on")
+    assert {arm for stage, arm in arms if stage in ("prio", "balance")} == {
+        "overlap-prio-mps", "overlap-cap-mps", "overlap-mps", "overlap-prio-ecap50-mps", "overlap-prio-ecap70-mps"
+    }  # fmt: skip
     gen = (res / "gen.log").read_text()
     assert "--variants trl,lean,rescore" in gen and "usage:" not in gen

@@ -9,11 +9,11 @@ it by CUDA_MPS_PIPE_DIRECTORY. The environment's CUDA_MPS_CLIENT_PRIORITY and CU
 every client's, but an engine process takes COLOCATE_RL_ENGINE_MPS_PRIORITY's and
 COLOCATE_RL_ENGINE_MPS_THREAD_PERCENTAGE's where those are set (`engine_client_settings`; the benchmark arms
 `overlap-prio-mps`, the trainers below the engines, and `overlap-cap-mps`, the trainers on part of the GPU's SMs;
-neither measured yet). Stop signals are passed on to COMMAND (ended, as the daemon is, if this process is killed); once
-COMMAND ends the daemon is asked to quit (killed if it does not) and this process exits with COMMAND's code, or ends by
-the signal that ended COMMAND. When the daemon does not start (its control pipe does not appear, or it exits): one line
-on stderr and in RUN_DIR's events, exit 2, COMMAND not run; with --or-without (`mps: auto` chose it) a line on stderr
-and COMMAND runs without MPS.
+neither was faster at the 1.7B shape: docs/benchmarks, invocation S). Stop signals are passed on to COMMAND (ended, as
+the daemon is, if this process is killed); once COMMAND ends the daemon is asked to quit (killed if it does not) and
+this process exits with COMMAND's code, or ends by the signal that ended COMMAND. When the daemon does not start (its
+control pipe does not appear, or it exits): one line on stderr and in RUN_DIR's events, exit 2, COMMAND not run; with
+--or-without (`mps: auto` chose it) a line on stderr and COMMAND runs without MPS.
 """
 
 from __future__ import annotations
