@@ -53,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from colocate_rl.launch.mps import ENGINE_PRIORITY, ENGINE_THREADS, PRIORITY, THREADS  # noqa: E402 (after the path above)
+from colocate_rl.plan.host import ENGINE_PRIORITY, ENGINE_THREADS, PRIORITY, THREADS  # noqa: E402 (after the path above)
 
 RECIPE = "recipes/smollm2-135m-gsm8k.yaml"
 # process: no overlap, the engine in its own process; overlap-mps: overlap under colocate-rl's CUDA MPS daemon

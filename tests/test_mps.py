@@ -52,7 +52,8 @@ def test_an_engine_process_takes_its_own_mps_client_settings_where_they_are_set(
     """The command (the trainers) gets the environment's CUDA_MPS_CLIENT_PRIORITY and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE;
     an engine process, as it starts, takes COLOCATE_RL_ENGINE_MPS_PRIORITY's and ..._THREAD_PERCENTAGE's where set
     (benchmarks' overlap-prio-mps: trainer 1, engine 0; overlap-cap-mps: trainer 75 %, engine 100 %)."""
-    from colocate_rl.launch.mps import ENGINE_PRIORITY, ENGINE_THREADS, PRIORITY, THREADS, engine_client_settings
+    from colocate_rl.launch.mps import engine_client_settings
+    from colocate_rl.plan.host import ENGINE_PRIORITY, ENGINE_THREADS, PRIORITY, THREADS
 
     (tmp_path / "run").mkdir()
     names = (PRIORITY, THREADS, ENGINE_PRIORITY, ENGINE_THREADS)

@@ -28,6 +28,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from colocate_rl.plan.host import ENGINE_PRIORITY, ENGINE_THREADS, PRIORITY, THREADS
 from colocate_rl.plan.host import MPS_CONTROL as CONTROL
 
 START_S = 30.0  # for the control pipe to appear
@@ -35,13 +36,7 @@ QUIT_S = 30.0  # for the daemon to end after `quit` (it waits for its clients)
 FIX = "set generation.mps: off"
 OR_WITHOUT = "--or-without"  # `mps: auto` chose the daemon: a daemon that does not start is run without
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# NVIDIA's, read as a client's CUDA context is made: its scheduling priority (0 normal, 1 below normal), and the
-# percentage of the GPU's SMs its kernels may run on (at most the server's, 100 by default)
-PRIORITY = "CUDA_MPS_CLIENT_PRIORITY"
-THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-ENGINE_PRIORITY = "COLOCATE_RL_ENGINE_MPS_PRIORITY"  # what an engine process sets PRIORITY to before its context
-ENGINE_THREADS = "COLOCATE_RL_ENGINE_MPS_THREAD_PERCENTAGE"  # and THREADS
-ENGINE_OWN = {ENGINE_PRIORITY: PRIORITY, ENGINE_THREADS: THREADS}
+ENGINE_OWN = {ENGINE_PRIORITY: PRIORITY, ENGINE_THREADS: THREADS}  # an engine process's own → what it sets
 
 
 class MpsError(Exception):

@@ -291,8 +291,8 @@ def beyond_rows(resolved: Resolved, shape: Shape) -> list[str]:
     notes += ["LoRA (not modelled; the one LoRA row took 1.22× its full fine-tuning row)"] * (r.model.lora is not None)
     notes += ["beta > 0 (the reference model's forward is not modelled)"] * (r.trainer.beta > 0)
     notes += ["reward models (their forward is not modelled)"] * any(x.model for x in r.rewards)
-    under_mps = shape.overlap is not None and "MPS" in shape.overlap and resolved.host.mps_settings
-    notes += [f"MPS client settings {' '.join(resolved.host.mps_settings)} (rows: NVIDIA's defaults)"] * bool(under_mps)
+    mps = resolved.host.mps_settings if shape.overlap is not None and r.generation.mps == "on" else ()
+    notes += [f"MPS client settings {' '.join(mps)} (rows: NVIDIA's defaults)"] * bool(mps)
     if shape.overlap is not None:
         o, what = OVERLAP_COVERED[shape.overlap], f"overlapped with {shape.overlap}"  # its regime's rows
         notes += _beyond(shape.params_b, o["params_b"], f"{what}, parameters", "B")

@@ -9,9 +9,14 @@ import subprocess
 from dataclasses import dataclass
 
 MPS_CONTROL = "nvidia-cuda-mps-control"  # NVIDIA's CUDA MPS control daemon (generation.mps)
-# what changes how MPS runs a client's kernels (NVIDIA's client variables; an engine process's own: launch/mps.py)
-MPS_SETTINGS = ("CUDA_MPS_CLIENT_PRIORITY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
-                "COLOCATE_RL_ENGINE_MPS_")  # fmt: skip
+# NVIDIA's, read as a client's CUDA context is made: its scheduling priority (0 normal, 1 below normal), and the
+# percentage of the GPU's SMs its kernels may run on (at most the server's, 100 by default)
+PRIORITY = "CUDA_MPS_CLIENT_PRIORITY"
+THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+ENGINE_PRIORITY = "COLOCATE_RL_ENGINE_MPS_PRIORITY"  # what an engine process sets PRIORITY to (launch/mps.py)
+ENGINE_THREADS = "COLOCATE_RL_ENGINE_MPS_THREAD_PERCENTAGE"  # and THREADS
+# what changes how MPS runs a client's kernels
+MPS_SETTINGS = (PRIORITY, THREADS, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ENGINE_PRIORITY, ENGINE_THREADS)
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,7 @@ def detect_host() -> Host:
         ram_gib=psutil.virtual_memory().total / 2**30,
         mps_control=shutil.which(MPS_CONTROL) is not None,
         mps_pipe_set=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
-        mps_settings=tuple(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(MPS_SETTINGS)),
+        mps_settings=tuple(f"{k}={v}" for k, v in sorted(os.environ.items()) if k in MPS_SETTINGS),
     )
 
 
