@@ -496,7 +496,7 @@ def analysis(mean_length: bool = False) -> dict:
 # `overlap` (the default by then), the others one; `overlap-mps` under MPS (O: the driver's daemon; P, R:
 # `generation.mps`), `overlap-2e-mps` two engine processes under it (R). Not: `overlap-plain` (no DeepSpeed),
 # `overlap-mp` (vLLM's engine core apart), `overlap-nogroup`, `overlap-4e`, and I (d256 with checkpointing).
-OVERLAP_INVOCATIONS = ("H", "J", "L", "M", "N", "O", "P", "R")
+OVERLAP_INVOCATIONS = ("H", "J", "L", "M", "N", "O", "P", "R", "S")
 OVERLAP_ARMS = ("overlap", "overlap-2e", "overlap-mps", "overlap-2e-mps")
 OVERLAP_PINNED = [
     *PLANNED,

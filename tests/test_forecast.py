@@ -174,7 +174,7 @@ def test_the_overlap_factors_are_the_fit_of_the_overlapped_rows(fit):
     for regime, factors in o["fitted"].items():
         assert factors == pytest.approx(fc.OVERLAP_FITTED[regime], rel=1e-3), regime
     assert o["leave_one_out"] == fc.OVERLAP_LEAVE_ONE_OUT and o["covered"] == fc.OVERLAP_COVERED
-    assert {r.shape.overlap for r in o["rows"]} == set(fc.OVERLAP_FITTED) and len(o["rows"]) == 21
+    assert {r.shape.overlap for r in o["rows"]} == set(fc.OVERLAP_FITTED) and len(o["rows"]) == 22
     assert all(abs(e) <= fc.OVERLAP_LEAVE_ONE_OUT["s/step"][1] + 0.05 for _, e in o["loo"])
     # the rows resolve to what they ran: ZeRO-2 at sleep 0, c256 in one micro-batch, d256 in 8
     assert {(round(r.shape.params_b, 3), r.shape.micro_batches, r.shape.layout, r.shape.sleep_level)
@@ -196,7 +196,7 @@ def test_an_overlapped_step_is_the_ranks_work_beside_the_engine_and_the_wait_for
     assert f.phases["generation"] == pytest.approx(max(0.0, wait)) and f.phases["sleep/wake"] == 0
     assert f.phases["weight push"] == turns["weight push"]
     lines = fc.forecast_lines(f)
-    assert "forecast error on its 21 overlapped rows (2 engine processes), each left out" in lines[1]
+    assert "forecast error on its 22 overlapped rows (2 engine processes), each left out" in lines[1]
     assert json.loads(fc.forecast_json(f))["overlap"] == "2 engine processes"
     assert not f.beyond  # a measured configuration: 256 completions on one H200
     d256 = ("model.name=HuggingFaceTB/SmolLM2-1.7B-Instruct", "trainer.gradient_accumulation_steps=8",

@@ -937,7 +937,7 @@ def test_the_default_plan_overlaps_the_real_model_with_two_engine_processes_and_
     left to auto (the defaults), fully fine-tuned and with LoRA (merged into each push): the plan overlaps with two
     engine processes (a 135M model), every step after the first is generated ahead (and checked), and the run's
     forecast.json holds the overlapped forecast (on an H200: its rows were measured there). Prints forecast against
-    measured (the overlapped rows' leave-one-out error: 6.6 % median, 49 % largest; LoRA is not modelled)."""
+    measured (the overlapped rows' leave-one-out error: 5.5 % median, 49 % largest; LoRA is not modelled)."""
     import yaml
 
     run = tmp_path / "run"
