@@ -493,7 +493,7 @@ def analysis(mean_length: bool = False) -> dict:
 # overlap-results' overlapped runs of the configurations colocate-rl plans (invocations H on: expandable segments on,
 # vLLM's engine core inside the engine process), pinned as they ran: ZeRO-2, sleep 0, c256 in one micro-batch of 256
 # (the plan then), d256 (the 1.7B shape) in 32 × 8; c256 with two engine processes in L's `overlap-2e` and M's
-# `overlap` (the default by then), the others one; `overlap-mps` under MPS (O: the driver's daemon; P, R:
+# `overlap` (the default by then), the others one; `overlap-mps` under MPS (O: the driver's daemon; P, R, S:
 # `generation.mps`), `overlap-2e-mps` two engine processes under it (R). Not: `overlap-plain` (no DeepSpeed),
 # `overlap-mp` (vLLM's engine core apart), `overlap-nogroup`, `overlap-4e`, and I (d256 with checkpointing).
 OVERLAP_INVOCATIONS = ("H", "J", "L", "M", "N", "O", "P", "R", "S")
